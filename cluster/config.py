@@ -1,0 +1,259 @@
+"""Configuration: one frozen dataclass per concern, plus parsing from ``key=value`` arguments, YAML
+and environment. Components take the narrowest config they need; values only known at run time
+(a model's context length, the number of KV blocks that fit) make a new config with
+``dataclasses.replace``, never a mutation."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cluster.common.errors import UnsupportedSettingError
+
+Role = Literal["colocated", "prefill", "decode"]
+TransferBackendName = Literal["auto", "ipc", "nixl", "nccl", "local"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    #: HF-style directory, a .gguf file, or the embedded default's name "smollm2".
+    model: str = "smollm2"
+    #: "float32", "bfloat16" or "float16"; None: float32 on CPU, bfloat16 on CUDA.
+    dtype: str | None = None
+    #: "cpu", "cuda", "cuda:N"; None: CUDA when present, else CPU.
+    device: str | None = None
+    #: None: the model's own limit (max_position_embeddings), capped at 8192 on CPU.
+    max_model_len: int | None = None
+    seed: int = 0
+    #: Kernel choices ("auto" resolves per device capability; see kernels.dispatch).
+    attention_backend: str = "auto"
+    moe_backend: str = "auto"
+    draft_moe_backend: str = "auto"
+    #: Use CUDA graphs for decode batches on CUDA.
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+        if self.tensor_parallel_size != 1:
+            raise UnsupportedSettingError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not implemented yet; only 1 is",
+                param="tensor_parallel_size")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    #: Tokens per KV block.
+    block_size: int = 16
+    #: Exact number of KV blocks; overrides the memory-based sizing.
+    num_kv_blocks: int | None = None
+    #: Bytes of memory for the KV cache; None: gpu_memory_utilization on CUDA, 1 GiB on CPU.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise UnsupportedSettingError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+                param="gpu_memory_utilization")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    #: Resolved from the model at start-up (ModelConfig.max_model_len or the model's limit).
+    max_model_len: int = 2048
+    role: Role = "colocated"
+    #: Requests that may wait for admission before new ones are refused (bounded queue).
+    max_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len)
+        _positive("max_waiting", self.max_waiting)
+        _choice("role", self.role, typing.get_args(Role))
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    #: "auto": ipc when prefill and decode share a node, else nixl.
+    backend: TransferBackendName = "auto"
+    #: Seconds a transfer may take before the request fails (or falls back to prefill on decode).
+    timeout_s: float = 30.0
+    #: On a failed transfer, prefill on the decode worker instead of failing the request.
+    fallback_to_local_prefill: bool = True
+    #: Prompts shorter than this are prefilled on the decode worker itself; 0 disables that.
+    local_prefill_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("kv_transfer", self.backend, typing.get_args(TransferBackendName))
+        if self.timeout_s <= 0:
+            raise UnsupportedSettingError("kv_transfer_timeout_s must be > 0", param="kv_transfer_timeout_s")
+        if self.local_prefill_threshold < 0:
+            raise UnsupportedSettingError("local_prefill_threshold must be >= 0",
+                                          param="local_prefill_threshold")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything a deployment needs; built from ``key=value`` arguments by ``parse_cluster_args``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    #: GPUs per replica; None: tensor_parallel_size on a CUDA machine, 0 on CPU.
+    num_gpus: float | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    #: Seconds a request may take end to end before a 504 (per-request max via its own deadline).
+    request_timeout_s: float = 600.0
+    #: Largest HTTP body accepted, in bytes.
+    max_body_bytes: int = 4 * 1024 * 1024
+    #: Requests in flight at the ingress before new ones get 503.
+    max_inflight_requests: int = 512
+    #: Let the planner change replica counts between these bounds.
+    autoscale: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 8
+    target_ttft_s: float = 1.0
+    target_itl_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        _positive("prefill_replicas", self.prefill_replicas, allow_zero=True)
+        _positive("decode_replicas", self.decode_replicas)
+        _positive("max_inflight_requests", self.max_inflight_requests)
+
+
+# --- parsing ------------------------------------------------------------------------------------
+
+#: Flat argument name -> (section, field). Sections: model, cache, scheduler, transfer, or "" (top).
+def _flat_fields() -> dict[str, tuple[str, str, Any]]:
+    out: dict[str, tuple[str, str, Any]] = {}
+    for section, cls in (("model", ModelConfig), ("cache", CacheConfig),
+                         ("scheduler", SchedulerConfig), ("transfer", TransferConfig)):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            name = f.name
+            if section == "transfer":
+                name = "kv_transfer" if f.name == "backend" else (
+                    f.name if f.name in ("local_prefill_threshold", "fallback_to_local_prefill")
+                    else f"kv_transfer_{f.name}")
+            out[name] = (section, f.name, hints[f.name])
+    hints = typing.get_type_hints(ClusterConfig)
+    for f in dataclasses.fields(ClusterConfig):
+        if f.name not in ("model", "cache", "scheduler", "transfer"):
+            out[f.name] = ("", f.name, hints[f.name])
+    return out
+
+
+FLAT_FIELDS = _flat_fields()
+
+
+def parse_cluster_args(args: dict[str, Any] | None = None, *, use_env: bool = True) -> ClusterConfig:
+    """Build a ClusterConfig from flat ``key=value`` settings (strings or typed values).
+
+    Environment variables ``CLUSTER_<KEY>`` fill settings not given in ``args``. Unknown keys and
+    invalid values raise UnsupportedSettingError naming them.
+    """
+    settings: dict[str, Any] = {}
+    if use_env:
+        for key in FLAT_FIELDS:
+            env = os.environ.get(f"CLUSTER_{key.upper()}")
+            if env is not None:
+                settings[key] = env
+    settings.update(args or {})
+    unknown = sorted(k for k in settings if k not in FLAT_FIELDS)
+    if unknown:
+        raise UnsupportedSettingError(
+            f"unknown setting(s): {', '.join(unknown)}; known settings: {', '.join(sorted(FLAT_FIELDS))}",
+            param=unknown[0])
+    sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "transfer": {}, "": {}}
+    for key, raw in settings.items():
+        section, name, hint = FLAT_FIELDS[key]
+        sections[section][name] = _coerce(key, raw, hint)
+    try:
+        return ClusterConfig(
+            model=ModelConfig(**sections["model"]),
+            cache=CacheConfig(**sections["cache"]),
+            scheduler=SchedulerConfig(**sections["scheduler"]),
+            transfer=TransferConfig(**sections["transfer"]),
+            **sections[""],
+        )
+    except TypeError as exc:  # a value of the wrong type reached a validator
+        raise UnsupportedSettingError(f"invalid settings: {exc}") from exc
+
+
+def _coerce(key: str, raw: Any, hint: Any) -> Any:
+    """Turn a CLI/env string into the field's type; pass typed values through after checking."""
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    allowed = [a for a in args if a is not type(None)] if args else [hint]
+    if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null") and type(None) in args):
+        if type(None) in args:
+            return None
+        raise UnsupportedSettingError(f"{key} may not be empty", param=key)
+    if origin is Literal:
+        if raw not in args:
+            raise UnsupportedSettingError(f"{key}={raw!r} is not one of {list(args)}", param=key)
+        return raw
+    target = allowed[0]
+    if typing.get_origin(target) is Literal:
+        if raw not in typing.get_args(target):
+            raise UnsupportedSettingError(
+                f"{key}={raw!r} is not one of {list(typing.get_args(target))}", param=key)
+        return raw
+    try:
+        if target is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if target is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError(raw)
+            return int(raw)
+        if target is float:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            return float(raw)
+        if target is str:
+            if not isinstance(raw, (str, int, float)):
+                raise ValueError(raw)
+            return str(raw)
+    except (TypeError, ValueError):
+        raise UnsupportedSettingError(
+            f"{key}={raw!r} is not a valid {getattr(target, '__name__', target)}", param=key) from None
+    return raw
+
+
+def _positive(name: str, value: int | float | None, *, allow_none: bool = False,
+              allow_zero: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise UnsupportedSettingError(f"{name} must be {bound}, got {value!r}", param=name)
+
+
+def _choice(name: str, value: object, choices: tuple[object, ...]) -> None:
+    if value not in choices:
+        raise UnsupportedSettingError(f"{name}={value!r} is not one of {list(choices)}", param=name)

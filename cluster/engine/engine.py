@@ -1,0 +1,244 @@
+"""LLMEngine: one device's engine. ``step()`` is three calls: schedule, run the model, process
+the outputs. Requests come in through ``add_request`` (validated, tokenized, split into n samples)
+and leave as RequestOutputs; ``abort_request`` ends them in any state. No threads, no network:
+the async and serving layers drive ``step()`` from outside."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from cluster.common.errors import InvalidRequestError, UnsupportedSettingError
+from cluster.common.outputs import RequestOutput
+from cluster.common.sampling_params import SamplingParams
+from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
+from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.model_runner import ModelRunner, RunnerOutput, plan_num_blocks
+from cluster.engine.output_processor import OutputProcessor, RequestGroup
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.scheduler import ScheduledRequest, Scheduler
+from cluster.models.registry import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_MAX_MODEL_LEN = 8192
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedSettingError(f"device={name!r} but no CUDA device is available", param="device")
+    return device
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMEngine:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, loaded: LoadedModel | None = None) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = resolve_device(model_config.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        torch.manual_seed(model_config.seed)
+        self.loaded = loaded or load_model(model_config.model, self.device, self.dtype)
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.scheduler_config = self._init_scheduler_config(scheduler_config)
+        self._init_kv_cache()
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, cache_config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_specs, self.num_blocks, self.device, model_config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler_config.max_model_len)
+        self.groups: dict[str, RequestGroup] = {}
+        self._sample_group: dict[str, RequestGroup] = {}
+        self._pending: list[RequestOutput] = []
+
+    # --- start-up --------------------------------------------------------------------------------
+
+    def _init_scheduler_config(self, config: SchedulerConfig) -> SchedulerConfig:
+        model_len = int(self.model.max_position_embeddings)
+        wanted = self.model_config.max_model_len
+        if wanted is not None and wanted > model_len:
+            raise UnsupportedSettingError(
+                f"max_model_len={wanted} exceeds the model's max_position_embeddings={model_len}",
+                param="max_model_len")
+        if wanted is None:
+            wanted = min(model_len, CPU_MAX_MODEL_LEN) if self.device.type == "cpu" else model_len
+        return dataclasses.replace(config, max_model_len=wanted)
+
+    def _init_kv_cache(self) -> None:
+        cache, sched = self.cache_config, self.scheduler_config
+        kv_dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_specs = self.model.kv_cache_specs(cache.block_size, kv_dtype)
+        memory = cache.kv_cache_memory_bytes or self._default_kv_bytes()
+        planned = plan_num_blocks(self.kv_specs, memory, sched.max_num_seqs,
+                                  sched.max_num_batched_tokens, sched.max_model_len)
+        if cache.num_kv_blocks is not None:
+            planned = [cache.num_kv_blocks if s.kind in ("full", "compressed") else n
+                       for s, n in zip(self.kv_specs, planned)]
+        self.num_blocks = planned
+        self.kv = KVCacheManager(self.kv_specs, planned, cache.block_size, cache.enable_prefix_caching)
+        logger.info("KV cache: %s", ", ".join(f"{s.name}: {n} blocks of {s.tokens_per_block} tokens"
+                                              for s, n in zip(self.kv_specs, planned)))
+
+    def _default_kv_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = total * (1.0 - self.cache_config.gpu_memory_utilization) + (2 << 30)
+        return max(1 << 26, int(free - reserve))
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
+    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """Validate a prompt and return (text, token ids)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; give token ids", param="prompt")
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        else:
+            ids = list(prompt)
+            text = None
+            if not ids:
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InvalidRequestError("prompt token ids must be integers", param="prompt")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        if not ids:
+            raise InvalidRequestError("prompt tokenizes to nothing", param="prompt")
+        return text, ids
+
+    def make_group(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                   arrival_time: float | None = None) -> RequestGroup:
+        """Validate and build a request without adding it (raises InvalidRequestError)."""
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
+        text, ids = self.tokenize(prompt)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        samples = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, eos,
+                           sample_index=i, arrival_time=now) for i in range(params.n)]
+        self.scheduler.check_fits(samples[0])
+        group = RequestGroup(request_id, text, ids, samples)
+        group.texts = [self.output_processor.make_text(s) for s in samples]
+        return group
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> RequestGroup:
+        group = self.make_group(request_id, prompt, params, arrival_time)
+        self.add_group(group)
+        return group
+
+    def add_group(self, group: RequestGroup) -> None:
+        for s in group.samples:
+            self.scheduler.add_request(s)
+            self._sample_group[s.request_id] = group
+        self.groups[group.request_id] = group
+
+    def abort_request(self, request_id: str, *, error: str | None = None,
+                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        group = self.groups.get(request_id)
+        if group is None:
+            return
+        for s in group.samples:
+            self.scheduler.finish(s, status, error=error)
+        self._finish_group_if_done(group, emit=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # --- the step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self._expire_deadlines()
+        sched = self.scheduler.schedule()
+        changed: dict[str, RequestGroup] = {}
+        if not sched.is_empty:
+            tables = {s.request.request_id: self.kv.block_tables(s.request.request_id) for s in sched.scheduled}
+            try:
+                result = self.runner.execute(sched, tables)
+            except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the loop
+                logger.exception("model step failed")
+                for s in sched.scheduled:
+                    self.scheduler.finish(s.request, RequestStatus.FINISHED_ERROR, error=f"model step failed: {exc}")
+                    changed[self._sample_group[s.request.request_id].request_id] = \
+                        self._sample_group[s.request.request_id]
+                result = None
+            if result is not None:
+                self._process(sched.scheduled, result, changed)
+        outputs = self._pending
+        self._pending = []
+        for group in changed.values():
+            if group.request_id in self.groups or group.finished:
+                outputs.append(group.output())
+                self._finish_group_if_done(group, emit=False)
+        return outputs
+
+    def _process(self, scheduled: list[ScheduledRequest], result: RunnerOutput,
+                 changed: dict[str, RequestGroup]) -> None:
+        now = time.monotonic()
+        block_size = self.cache_config.block_size
+        for s in scheduled:
+            request = s.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            self.scheduler.mark_computed(s)
+            token = result.sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output(token, result.logprobs.get(request.request_id), block_size)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            group = self._sample_group[request.request_id]
+            status = self.output_processor.on_token(request, group.texts[group.samples.index(request)])
+            if status is not None:
+                self.scheduler.finish(request, status)
+            changed[group.request_id] = group
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for group in list(self.groups.values()):
+            deadline = group.samples[0].deadline
+            if deadline is not None and now > deadline:
+                self.abort_request(group.request_id, error="deadline exceeded")
+
+    def _finish_group_if_done(self, group: RequestGroup, emit: bool) -> None:
+        if not group.finished or group.request_id not in self.groups:
+            return
+        del self.groups[group.request_id]
+        for s in group.samples:
+            self._sample_group.pop(s.request_id, None)
+        if emit:
+            self._pending.append(group.output())
+
+    # --- introspection -----------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "num_requests_running": float(len(self.scheduler.running)),
+            "num_requests_waiting": float(len(self.scheduler.waiting) + len(self.scheduler.receiving)),
+            "kv_cache_usage_perc": self.kv.usage,
+            "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,
+        }

@@ -1,0 +1,135 @@
+"""ModelRunner: owns the model, the KV storage tensors and the sampler on one device. Each step it
+turns a SchedulerOutput into the batch's inputs (token ids, positions, per-group block tables and
+slot mappings), runs the model, and samples the rows whose chunk reached the end of the request."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.common.kv_spec import KVGroupSpec
+from cluster.common.outputs import PositionLogprobs
+from cluster.engine.request import Request
+from cluster.engine.sampler import Sampler, SamplingRow
+from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
+from cluster.models.context import ForwardContext
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerOutput:
+    #: request id -> sampled token, for requests whose chunk reached their end.
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs | None] = field(default_factory=dict)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}[name]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, specs: list[KVGroupSpec], num_blocks: list[int],
+                 device: torch.device, seed: int) -> None:
+        self.model = model
+        self.specs = specs
+        self.device = device
+        self.kv_caches = [
+            torch.zeros((n, spec.num_layers, *spec.block_shape), dtype=torch_dtype(spec.dtype), device=device)
+            for spec, n in zip(specs, num_blocks)
+        ]
+        self.sampler = Sampler(model.vocab_size, seed, device)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]) -> RunnerOutput:
+        ctx, input_ids, sample_rows = self._prepare(sched.scheduled, block_tables)
+        hidden = self.model(input_ids, ctx)  # [T, H]
+        out = RunnerOutput()
+        if not sample_rows:
+            return out
+        index = torch.tensor([row for row, _ in sample_rows], device=self.device)
+        logits = self.model.compute_logits(hidden[index])  # [N, V]
+        requests = [s.request for _, s in sample_rows]
+        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
+                            self._banned(r), r.sample_index) for r in requests]
+        tokens, logprobs = self.sampler(logits, rows)
+        for r, token, lp in zip(requests, tokens, logprobs):
+            out.sampled[r.request_id] = token
+            out.logprobs[r.request_id] = lp
+        return out
+
+    @staticmethod
+    def _banned(request: Request) -> tuple[int, ...]:
+        p = request.sampling_params
+        if request.num_output_tokens >= p.min_tokens:
+            return ()
+        return tuple(p.stop_token_ids) + (() if p.ignore_eos else request.eos_token_ids)
+
+    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[list[int]]]
+                 ) -> tuple[ForwardContext, torch.Tensor, list[tuple[int, ScheduledRequest]]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[tuple[int, ScheduledRequest]] = []
+        for s in scheduled:
+            c, n = s.num_computed_tokens, s.num_new_tokens
+            ids.extend(s.request.all_token_ids[c:c + n])
+            positions.extend(range(c, c + n))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(c + n)
+            if s.samples:
+                sample_rows.append((query_start[-1] - 1, s))
+        tables, slots = [], []
+        for g, spec in enumerate(self.specs):
+            rows = [block_tables[s.request.request_id][g] for s in scheduled]
+            width = max(1, max((len(r) for r in rows), default=1))
+            table = torch.zeros((len(rows), width), dtype=torch.int32)
+            for i, r in enumerate(rows):
+                if r:
+                    table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+            tables.append(table.to(self.device, non_blocking=True))
+            slots.append(self._slot_mapping(spec, table, positions, query_start)
+                         if spec.kind in ("full", "sliding_window") else None)
+        dev = self.device
+        ctx = ForwardContext(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens, kv_caches=self.kv_caches,
+            block_tables=tables, slot_mappings=slots, block_sizes=[s.block_size for s in self.specs])
+        return ctx, torch.tensor(ids, dtype=torch.int64, device=dev), sample_rows
+
+    def _slot_mapping(self, spec: KVGroupSpec, table: torch.Tensor, positions: list[int],
+                      query_start: list[int]) -> torch.Tensor:
+        pos = torch.tensor(positions, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(
+            torch.arange(len(query_start) - 1), torch.tensor(query_start[1:]) - torch.tensor(query_start[:-1]))
+        blocks = table.long()[seq_index, pos // spec.block_size]
+        return (blocks * spec.block_size + pos % spec.block_size).to(self.device, non_blocking=True)
+
+
+def plan_num_blocks(specs: list[KVGroupSpec], memory_bytes: int, max_num_seqs: int,
+                    max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+    """Split a KV memory budget across groups. Window and state groups only ever hold a bounded
+    number of blocks per request, so they get what ``max_num_seqs`` requests (plus one step's chunk,
+    doubled for prefix-cache headroom) need; the rest is shared by full and compressed groups in
+    proportion to the bytes each needs per token, so they run out at the same context length."""
+    bounded = {}
+    for g, spec in enumerate(specs):
+        if spec.kind in ("sliding_window", "state"):
+            window = spec.sliding_window or 1
+            per_seq = math.ceil(window / spec.block_size) + 2
+            chunk = math.ceil(max_num_batched_tokens / spec.block_size) + 1
+            bounded[g] = 2 * (max_num_seqs * per_seq + chunk) + 1
+    used = sum(bounded[g] * specs[g].bytes_per_block for g in bounded)
+    growing = [g for g in range(len(specs)) if g not in bounded]
+    per_token = sum(specs[g].bytes_per_block / specs[g].tokens_per_block for g in growing)
+    tokens = max(0, memory_bytes - used) / per_token if per_token else 0
+    counts = []
+    for g, spec in enumerate(specs):
+        counts.append(bounded[g] if g in bounded else int(tokens // spec.tokens_per_block) + 1)
+    return counts

@@ -1,0 +1,125 @@
+"""Sampler: turns the logits of the rows that need a next token into tokens and logprobs.
+
+Order: logprobs are taken from the raw distribution (as vLLM does); then min_tokens masking of stop
+tokens, repetition/presence/frequency penalties, greedy argmax or temperature, min-p, top-k,
+top-p and a draw. Each draw uses noise from a generator seeded by (request seed, sample index,
+output position), so a seeded request gets the same tokens whatever else shares the batch and
+whichever worker (prefill or decode) samples a given position."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.common.outputs import Logprob, PositionLogprobs
+from cluster.common.sampling_params import SamplingParams
+from kernels.sampling import apply_top_k_top_p_min_p_ref, sample_with_noise_ref
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    #: Tokens that must not be sampled yet (stop/eos ids while under min_tokens).
+    banned_token_ids: tuple[int, ...]
+    sample_index: int = 0
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, seed: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._unseeded = torch.Generator(device=device)
+        self._unseeded.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
+                 ) -> tuple[list[int], list[PositionLogprobs | None]]:
+        logits = logits[:, : self.vocab_size].float()  # [N, V]
+        want_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
+        logits = self._mask_banned(logits, rows)
+        logits = self._apply_penalties(logits, rows)
+        tokens = self._draw(logits, rows)
+        token_list = tokens.tolist()
+        logprobs: list[PositionLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            logprobs = self._gather_logprobs(raw_logprobs, token_list, rows)
+        return token_list, logprobs
+
+    def _mask_banned(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                ids = [t for t in row.banned_token_ids if t < self.vocab_size]
+                logits[i, ids] = float("-inf")
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            p = row.params
+            if not p.has_penalties:
+                continue
+            out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out_ids, minlength=self.vocab_size)[: self.vocab_size].float()
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                if row.prompt_token_ids:
+                    prompt_ids = torch.tensor(row.prompt_token_ids, dtype=torch.long, device=logits.device)
+                    seen[prompt_ids[prompt_ids < self.vocab_size]] = True
+                penalised = torch.where(logits[i] > 0, logits[i] / p.repetition_penalty,
+                                        logits[i] * p.repetition_penalty)
+                logits[i] = torch.where(seen, penalised, logits[i])
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        tokens = logits.argmax(-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not random_rows:
+            return tokens
+        sub = logits[random_rows]
+        params = [rows[i].params for i in random_rows]
+        sub = sub / torch.tensor([p.temperature for p in params], device=sub.device)[:, None]
+        top_k = torch.tensor([p.top_k for p in params], device=sub.device) if any(
+            p.top_k > 0 for p in params) else None
+        top_p = torch.tensor([p.top_p for p in params], device=sub.device) if any(
+            p.top_p < 1.0 for p in params) else None
+        min_p = torch.tensor([p.min_p for p in params], device=sub.device) if any(
+            p.min_p > 0 for p in params) else None
+        sub = apply_top_k_top_p_min_p_ref(sub, top_k, top_p, min_p)
+        probs = sub.softmax(-1)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=self._generator_for(rows[i]))
+        tokens[random_rows] = sample_with_noise_ref(probs, noise)
+        return tokens
+
+    def _generator_for(self, row: SamplingRow) -> torch.Generator:
+        seed = row.params.seed
+        if seed is None:
+            return self._unseeded
+        gen = torch.Generator(device=self.device)
+        position = len(row.output_token_ids)
+        gen.manual_seed(hash((seed, row.sample_index, position)) & 0x7FFF_FFFF_FFFF_FFFF)
+        return gen
+
+    def _gather_logprobs(self, raw: torch.Tensor, tokens: list[int],
+                         rows: list[SamplingRow]) -> list[PositionLogprobs | None]:
+        max_n = max((r.params.logprobs or 0) for r in rows)
+        top_vals, top_ids = raw.topk(max(1, max_n), dim=-1)
+        token_t = torch.tensor(tokens, device=raw.device)
+        chosen = raw.gather(1, token_t[:, None])[:, 0]
+        ranks = (raw > chosen[:, None]).sum(-1) + 1
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+        result: list[PositionLogprobs | None] = []
+        for i, row in enumerate(rows):
+            n = row.params.logprobs
+            if n is None:
+                result.append(None)
+                continue
+            entry: PositionLogprobs = {tokens[i]: Logprob(chosen_l[i], ranks_l[i])}
+            for rank, (tid, val) in enumerate(zip(top_ids_l[i][:n], top_vals_l[i][:n]), start=1):
+                entry.setdefault(tid, Logprob(val, rank))
+            result.append(entry)
+        return result

@@ -1,0 +1,219 @@
+"""Scheduler: continuous batching under a per-step token budget.
+
+There is no prefill or decode phase: each step, every request's ``num_computed_tokens`` catches up
+with its token count as far as the budget allows (a long prompt is prefilled in chunks). Running
+requests are served first, in arrival order; then waiting requests are admitted while the budget,
+``max_num_seqs`` and the KV pool allow. When a running request cannot get a block, the most
+recently admitted running request is preempted (its blocks freed; it is recomputed later).
+
+The same scheduler serves every role: ``prefill`` requests stop after their first token and keep
+their blocks for the transfer; ``decode`` requests enter WAITING_FOR_REMOTE_KV with blocks reserved
+and join the batch once their KV has arrived.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.common.errors import InvalidRequestError, OverloadedError
+from cluster.config import SchedulerConfig
+from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    #: Tokens computed before this step (the start of this step's chunk).
+    num_computed_tokens: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the request's tokens, so a next token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The whole contract between scheduler and model runner for one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, block_size: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        #: Decode role: requests whose blocks are reserved and whose KV is on its way.
+        self.receiving: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # --- admission ------------------------------------------------------------------------------
+
+    def check_fits(self, request: Request) -> None:
+        """Refuse, with a typed error, a request this engine can never serve."""
+        n = request.num_prompt_tokens
+        if n >= self.config.max_model_len:
+            raise InvalidRequestError(
+                f"prompt is {n} tokens, which leaves no room to generate within max_model_len="
+                f"{self.config.max_model_len}", param="prompt")
+        if not self.kv.can_fit(n + 1):
+            raise InvalidRequestError(
+                f"prompt of {n} tokens does not fit in the KV cache even when it is empty", param="prompt")
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits(request)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise OverloadedError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        request.update_block_hashes(self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve_for_remote_kv(self, request: Request) -> bool:
+        """Decode role: reserve blocks for the prompt now; the prefill worker fills them. Returns
+        False (nothing reserved) when the pool or the sequence limit cannot take it yet."""
+        self.check_fits(request)
+        if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
+            return False
+        request.update_block_hashes(self.block_size)
+        if not self.kv.allocate(request.request_id, request.num_prompt_tokens):
+            return False
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_cached_tokens = 0
+        self.requests[request.request_id] = request
+        self.receiving[request.request_id] = request
+        return True
+
+    def remote_kv_arrived(self, request_id: str) -> Request | None:
+        """Decode role: the prompt's KV is in place; the request joins the running batch."""
+        request = self.receiving.pop(request_id, None)
+        if request is None:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_full_blocks(request_id, request.block_hashes, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+        self.running.append(request)
+        return request
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preempted_now = False
+        for request in list(self.running):
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            c = request.num_computed_tokens
+            n = min(request.num_tokens - c, budget)
+            if n <= 0:
+                continue
+            self.kv.free_skipped(request.request_id, c)
+            while not self.kv.allocate(request.request_id, c + n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                preempted_now = True
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            out.scheduled.append(ScheduledRequest(request, c, n))
+            budget -= n
+            if budget == 0:
+                break
+        if not preempted_now:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        now = time.monotonic()
+        while self.waiting and budget > 0 and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+            c = prefix.num_tokens
+            n = min(request.num_tokens - c, budget)
+            if not self.kv.allocate(request.request_id, c + n, prefix):
+                if not self.running and not self.receiving:
+                    # Nothing will ever free blocks for it: evict cached blocks is implicit in the
+                    # pool; if it still does not fit, fail it instead of waiting forever.
+                    self.waiting.popleft()
+                    self.finish(request, RequestStatus.FINISHED_ERROR,
+                                error="the KV cache is too small for this request")
+                    continue
+                break
+            self.waiting.popleft()
+            self.kv.free_skipped(request.request_id, c)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = c
+                self.prefix_queried_tokens += request.num_prompt_tokens
+                self.prefix_hit_tokens += c
+            request.num_computed_tokens = c
+            request.status = RequestStatus.RUNNING
+            request.first_scheduled_time = request.first_scheduled_time or now
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, c, n))
+            budget -= n
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        out.preempted.append(request.request_id)
+
+    # --- after the step --------------------------------------------------------------------------
+
+    def mark_computed(self, scheduled: ScheduledRequest) -> None:
+        request = scheduled.request
+        request.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens
+        self.kv.cache_full_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+
+    def finish(self, request: Request, status: RequestStatus, *, error: str | None = None) -> None:
+        """End a request in any state; frees its blocks unless the role holds them."""
+        assert status.finished
+        if request.status.finished:
+            return
+        request.status = status
+        request.error = error
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.receiving.pop(request.request_id, None)
+        if not request.hold_blocks_on_finish:
+            self.release(request.request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free a finished request's blocks and forget it."""
+        self.kv.free(request_id)
+        self.requests.pop(request_id, None)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_queried_tokens
+        return self.prefix_hit_tokens / q if q else 0.0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.running) + len(self.waiting) + len(self.receiving)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)

@@ -1,0 +1,1 @@
+"""Model families, their layers and weight loaders, the registry and the tokenizer."""

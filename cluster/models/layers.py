@@ -1,0 +1,73 @@
+"""Building blocks shared by model families. Parameters are created uninitialised (weights always
+come from a checkpoint), and every op calls into ``kernels``."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.activation import silu_and_mul_ref
+from kernels.norm import rms_norm_ref
+from kernels.rotary import apply_rotary_ref, rope_cos_sin, rope_inv_freq
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)``; ``W [out_features, in_features]``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return rms_norm_ref(x, self.weight, self.eps, residual)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``."""
+
+    def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, object] | None = None,
+                 interleaved: bool = False) -> None:
+        super().__init__()
+        self.interleaved = interleaved
+        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, theta, scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        return (apply_rotary_ref(q, cos, sin, self.interleaved),
+                apply_rotary_ref(k, cos, sin, self.interleaved))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with fused ``gate_up_proj [2 * I, H]``."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
+        self.down_proj = Linear(intermediate, hidden, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))

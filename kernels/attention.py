@@ -1,0 +1,113 @@
+"""Paged attention, pure-torch reference.
+
+KV cache layout, per layer: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``
+(possibly strided views into one storage tensor that holds every layer's blocks). A token at
+position ``p`` of a sequence lives in block ``block_table[p // block_size]`` at offset
+``p % block_size``; its flat slot is ``block_id * block_size + offset``.
+
+A batch is a flat run of query tokens: sequence ``i`` owns query rows
+``query_start_loc[i]:query_start_loc[i+1]``, which are its *last* ``q_len`` positions out of
+``seq_lens[i]`` (the cached prefix plus the new tokens), so causal masking is offset by
+``seq_len - q_len``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Per-batch metadata, on the model's device. The ``*_cpu`` lists mirror the tensors for host-side
+    loops (the CPU reference), so they never force a device sync."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, tokens in context after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's KV is written
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+    """Scatter new keys/values ``[T, Hkv, D]`` into their slots. Slots < 0 are skipped (padding)."""
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: PagedAttentionMetadata, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of ``q [T, Hq, D]`` over each sequence's paged KV; returns ``[T, Hq, D]``."""
+    if meta.decode_only:
+        return _decode_batched(q, k_cache, v_cache, meta, scale, sliding_window)
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        seq_len = meta.seq_lens_cpu[i]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = meta.block_tables[i, :num_blocks].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [S, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, S]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        out[start:end] = _sdpa(q[start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                               mask[None, None], scale)[0]
+    return out
+
+
+def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: PagedAttentionMetadata, scale: float,
+                    sliding_window: int | None) -> torch.Tensor:
+    """One query token per sequence: gather every sequence's blocks at once and mask the padding."""
+    block_size = k_cache.shape[1]
+    num_blocks = (meta.max_seq_len + block_size - 1) // block_size
+    blocks = meta.block_tables[:, :num_blocks].long()  # [B, nb]
+    k = k_cache[blocks].flatten(1, 2)  # [B, nb * bs, Hkv, D]
+    v = v_cache[blocks].flatten(1, 2)
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    seq_lens = meta.seq_lens.to(q.device).long()
+    mask = k_pos[None, :] < seq_lens[:, None]  # [B, S]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] >= (seq_lens[:, None] - sliding_window)
+    out = _sdpa(q.unsqueeze(1), k, v, mask[:, None, None, :], scale)  # [B, 1, Hq, D]
+    return out[:, 0]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+          scale: float) -> torch.Tensor:
+    """``q [B, Lq, Hq, D]``, ``k/v [B, Lk, Hkv, D]``, boolean ``mask`` broadcastable to
+    ``[B, Hq, Lq, Lk]`` -> ``[B, Lq, Hq, D]``."""
+    hq, hkv = q.shape[2], k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if hq != hkv:
+        kt = kt.repeat_interleave(hq // hkv, dim=1)
+        vt = vt.repeat_interleave(hq // hkv, dim=1)
+    out = F.scaled_dot_product_attention(qt, kt.to(qt.dtype), vt.to(qt.dtype), attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
