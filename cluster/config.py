@@ -139,18 +139,26 @@ class ClusterConfig:
 
 # --- parsing ------------------------------------------------------------------------------------
 
-#: Flat argument name -> (section, field). Sections: model, cache, scheduler, transfer, or "" (top).
+#: Fields set at run time, never by users: the resolved context length and each engine's role.
+_DERIVED = {("scheduler", "max_model_len"), ("scheduler", "role")}
+
+
 def _flat_fields() -> dict[str, tuple[str, str, Any]]:
+    """Flat argument name -> (section, field, type). Sections: model, cache, scheduler, transfer,
+    or "" (ClusterConfig itself)."""
     out: dict[str, tuple[str, str, Any]] = {}
     for section, cls in (("model", ModelConfig), ("cache", CacheConfig),
                          ("scheduler", SchedulerConfig), ("transfer", TransferConfig)):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if (section, f.name) in _DERIVED:
+                continue
             name = f.name
             if section == "transfer":
                 name = "kv_transfer" if f.name == "backend" else (
                     f.name if f.name in ("local_prefill_threshold", "fallback_to_local_prefill")
                     else f"kv_transfer_{f.name}")
+            assert name not in out, f"setting {name} is defined twice"
             out[name] = (section, f.name, hints[f.name])
     hints = typing.get_type_hints(ClusterConfig)
     for f in dataclasses.fields(ClusterConfig):

@@ -44,9 +44,16 @@ class ModelRunner:
         self.sampler = Sampler(model.vocab_size, seed, device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]) -> RunnerOutput:
+    def forward(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]
+                ) -> tuple[torch.Tensor, list[tuple[int, ScheduledRequest]]]:
+        """Run the model on the step's tokens (writing their KV); returns the final hidden states
+        ``[T, H]`` and, for each request to sample, the row of its last token."""
         ctx, input_ids, sample_rows = self._prepare(sched.scheduled, block_tables)
-        hidden = self.model(input_ids, ctx)  # [T, H]
+        return self.model(input_ids, ctx), sample_rows
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]) -> RunnerOutput:
+        hidden, sample_rows = self.forward(sched, block_tables)
         out = RunnerOutput()
         if not sample_rows:
             return out

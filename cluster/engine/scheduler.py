@@ -62,6 +62,7 @@ class Scheduler:
         self.receiving: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.prefix_queried_tokens = 0
+        self.num_preemptions = 0
         self.prefix_hit_tokens = 0
 
     # --- admission ------------------------------------------------------------------------------
@@ -175,6 +176,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         out.preempted.append(request.request_id)
