@@ -81,6 +81,28 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def engine_logits(llm: Any, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits at every prompt position from ``llm``'s engine, computed chunk by chunk over the
+    paged cache (the chunks after the first attend to the cached prefix)."""
+    from cluster.common.sampling_params import SamplingParams
+    from cluster.engine.request import Request
+    from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    eng = llm.engine
+    req = Request("probe", ids, SamplingParams())
+    assert eng.kv.allocate("probe", len(ids))
+    pieces = []
+    try:
+        for start in range(0, len(ids), chunk):
+            n = min(chunk, len(ids) - start)
+            sched = SchedulerOutput([ScheduledRequest(req, start, n)])
+            hidden, _ = eng.runner.forward(sched, {"probe": eng.kv.block_tables("probe")})
+            pieces.append(eng.model.compute_logits(hidden))
+    finally:
+        eng.kv.free("probe")
+    return torch.cat(pieces)
+
+
 def mixed_prompts(vocab: int, lengths: tuple[int, ...] = (3, 9, 17, 33, 50, 64), seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]

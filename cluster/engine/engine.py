@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from cluster.common.errors import InvalidRequestError, UnsupportedSettingError
-from cluster.common.outputs import RequestOutput
+from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
@@ -62,6 +62,9 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._sample_group: dict[str, RequestGroup] = {}
         self._pending: list[RequestOutput] = []
+        self._changed: dict[str, RequestGroup] = {}
+        #: (request id, tokens computed before, tokens computed) of every request in the last step.
+        self.last_step: list[tuple[str, int, int]] = []
 
     # --- start-up --------------------------------------------------------------------------------
 
@@ -174,7 +177,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self._expire_deadlines()
         sched = self.scheduler.schedule()
-        changed: dict[str, RequestGroup] = {}
+        self.last_step = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
         if not sched.is_empty:
             tables = {s.request.request_id: self.kv.block_tables(s.request.request_id) for s in sched.scheduled}
             try:
@@ -183,22 +186,23 @@ class LLMEngine:
                 logger.exception("model step failed")
                 for s in sched.scheduled:
                     self.scheduler.finish(s.request, RequestStatus.FINISHED_ERROR, error=f"model step failed: {exc}")
-                    changed[self._sample_group[s.request.request_id].request_id] = \
-                        self._sample_group[s.request.request_id]
-                result = None
-            if result is not None:
-                self._process(sched.scheduled, result, changed)
-        outputs = self._pending
-        self._pending = []
+                    self._mark_changed(s.request)
+            else:
+                self._process(sched.scheduled, result)
+        outputs, self._pending = self._pending, []
+        changed, self._changed = self._changed, {}
         for group in changed.values():
-            if group.request_id in self.groups or group.finished:
+            if group.request_id in self.groups:
                 outputs.append(group.output())
                 self._finish_group_if_done(group, emit=False)
         return outputs
 
-    def _process(self, scheduled: list[ScheduledRequest], result: RunnerOutput,
-                 changed: dict[str, RequestGroup]) -> None:
-        now = time.monotonic()
+    def _mark_changed(self, request: Request) -> None:
+        group = self._sample_group.get(request.request_id)
+        if group is not None:
+            self._changed[group.request_id] = group
+
+    def _process(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
         block_size = self.cache_config.block_size
         for s in scheduled:
             request = s.request
@@ -206,16 +210,64 @@ class LLMEngine:
                 continue
             self.scheduler.mark_computed(s)
             token = result.sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output(token, result.logprobs.get(request.request_id), block_size)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            group = self._sample_group[request.request_id]
-            status = self.output_processor.on_token(request, group.texts[group.samples.index(request)])
-            if status is not None:
-                self.scheduler.finish(request, status)
-            changed[group.request_id] = group
+            if token is not None:
+                request.append_output(token, result.logprobs.get(request.request_id), block_size)
+                self._after_token(request)
+
+    def _after_token(self, request: Request) -> None:
+        """Stop checks and output bookkeeping for the token just appended to ``request``."""
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        group = self._sample_group[request.request_id]
+        status = self.output_processor.on_token(request, group.texts[group.samples.index(request)])
+        if status is None and self.scheduler_config.role == "prefill":
+            status = RequestStatus.FINISHED_LENGTH  # the decode worker generates the rest
+        if status is not None:
+            self.scheduler.finish(request, status)
+        self._mark_changed(request)
+
+    # --- decode role: prompts prefilled elsewhere -----------------------------------------------------
+
+    def reserve_remote(self, group: RequestGroup) -> bool:
+        """Reserve KV blocks for a one-sample request whose prompt another worker prefills. False:
+        no room now (nothing reserved)."""
+        assert len(group.samples) == 1, "remote prefill takes one sample per request"
+        request = group.samples[0]
+        if request.request_id in self.groups:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+        if not self.scheduler.reserve_for_remote_kv(request):
+            return False
+        self._sample_group[request.request_id] = group
+        self.groups[group.request_id] = group
+        return True
+
+    def finish_remote_prefill(self, request_id: str, first_token: int,
+                              logprobs: PositionLogprobs | None) -> bool:
+        """The prompt's KV is in the reserved blocks and the prefill worker sampled ``first_token``:
+        the request joins the running batch. False if the request is gone (aborted, expired)."""
+        request = self.scheduler.remote_kv_arrived(request_id)
+        if request is None:
+            return False
+        request.append_output(first_token, logprobs, self.cache_config.block_size)
+        self._after_token(request)
+        return True
+
+    def fail_remote_prefill(self, request_id: str, reason: str, fallback: bool) -> None:
+        """The remote prefill or its transfer failed: prefill here instead (``fallback``) or fail."""
+        request = self.scheduler.receiving.get(request_id)
+        if request is None:
+            return
+        if not fallback:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, error=reason)
+            self._mark_changed(request)
+            self._finish_group_if_done(self._sample_group[request_id], emit=True)
+            return
+        del self.scheduler.receiving[request_id]
+        self.kv.free(request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = -1
+        self.scheduler.add_request(request)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()

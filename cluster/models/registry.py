@@ -37,8 +37,8 @@ def _llama_family(config: dict[str, Any], dtype: torch.dtype) -> Any:
 
 
 def _deepseek_v4(config: dict[str, Any], dtype: torch.dtype) -> Any:
-    from cluster.models.deepseek_v4 import build_deepseek_v4  # type: ignore[import-not-found]
-    return build_deepseek_v4(config, dtype)
+    module = importlib.import_module("cluster.models.deepseek_v4")
+    return module.build_deepseek_v4(config, dtype)
 
 
 BUILDERS = {
@@ -102,7 +102,10 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
     arch = architecture_of(config)
     with torch.device(device):
         net = BUILDERS[arch](config, dtype)
-    load_into(net, weights, net.checkpoint_targets(), ignore=net.ignored_tensors, total=total,
-              desc=f"Loading {os.path.basename(path.rstrip('/'))}")
+    desc = f"Loading {os.path.basename(path.rstrip('/'))}"
+    if hasattr(net, "load_weights"):  # families with their own formats (quantized, fused experts)
+        net.load_weights(weights, total=total, desc=desc)
+    else:
+        load_into(net, weights, net.checkpoint_targets(), ignore=net.ignored_tensors, total=total, desc=desc)
     net.eval()
     return LoadedModel(net, tokenizer, config, path)

@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
-from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
-from cluster.engine.request import Request
-from tests.factories import hf_greedy, make_checkpoint, mixed_prompts
+from tests.factories import engine_logits, hf_greedy, make_checkpoint, mixed_prompts
 
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3"]
 NEW_TOKENS = 40
@@ -20,23 +18,6 @@ def checkpoint(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
     model = make_checkpoint(path, request.param)
     return path, model
-
-
-def engine_logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
-    """Logits at every prompt position, computed chunk by chunk over the paged cache."""
-    eng = llm.engine
-    req = Request("probe", ids, SamplingParams())
-    assert eng.kv.allocate("probe", len(ids))
-    pieces = []
-    try:
-        for start in range(0, len(ids), chunk):
-            n = min(chunk, len(ids) - start)
-            sched = SchedulerOutput([ScheduledRequest(req, start, n)])
-            hidden, _ = eng.runner.forward(sched, {"probe": eng.kv.block_tables("probe")})
-            pieces.append(eng.model.compute_logits(hidden))
-    finally:
-        eng.kv.free("probe")
-    return torch.cat(pieces)
 
 
 @pytest.mark.parametrize("chunk", [64, 7])

@@ -1,0 +1,36 @@
+"""EngineClient: what the OpenAI HTTP layer needs from whatever serves it (the Ray ingress in
+production; an in-process engine in tests). One method streams one sample; the HTTP layer fans
+out ``n`` samples and prompt lists itself."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from cluster.common.messages import GenerateRequest, ReplicaStats, StepOutput
+from cluster.models.tokenizer import Tokenizer
+
+
+class EngineClient(Protocol):
+    #: The name clients pass as ``model``.
+    model_name: str
+    max_model_len: int
+    tokenizer: Tokenizer
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        """Stream one sample's outputs. Admission failures raise a ClusterError (InvalidRequestError,
+        OverloadedError, ...) before the first output; later failures end the stream with a
+        StepOutput whose finish_reason is "error" (or "abort" on a deadline). Cancelling the
+        iteration (client disconnect) aborts the sample everywhere."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise if the service cannot take requests."""
+        ...
+
+    async def replica_stats(self) -> list[ReplicaStats]:
+        """Latest gauges of every prefill/decode replica (for /metrics)."""
+        ...
+
+    async def backends(self) -> list[dict[str, Any]]:
+        """The resolved kernel choice of every component of every replica (GET /v1/backends)."""
+        ...
