@@ -16,7 +16,7 @@ from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
-from cluster.engine.model_runner import ModelRunner, RunnerOutput, plan_num_blocks
+from cluster.engine.model_runner import KVAllocator, ModelRunner, RunnerOutput, plan_num_blocks
 from cluster.engine.output_processor import OutputProcessor, RequestGroup
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import ScheduledRequest, Scheduler
@@ -45,7 +45,8 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, loaded: LoadedModel | None = None) -> None:
+                 scheduler_config: SchedulerConfig, loaded: LoadedModel | None = None,
+                 kv_allocator: KVAllocator | None = None) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = resolve_device(model_config.device)
@@ -57,7 +58,8 @@ class LLMEngine:
         self.scheduler_config = self._init_scheduler_config(scheduler_config)
         self._init_kv_cache()
         self.scheduler = Scheduler(self.scheduler_config, self.kv, cache_config.block_size)
-        self.runner = ModelRunner(self.model, self.kv_specs, self.num_blocks, self.device, model_config.seed)
+        self.runner = ModelRunner(self.model, self.kv_specs, self.num_blocks, self.device, model_config.seed,
+                                  kv_allocator)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler_config.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
         self._sample_group: dict[str, RequestGroup] = {}
@@ -171,6 +173,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    def has_work(self) -> bool:
+        """Anything to step for: unfinished requests or outputs not yet returned."""
+        return bool(self.groups) or bool(self._pending)
 
     # --- the step ------------------------------------------------------------------------------------
 

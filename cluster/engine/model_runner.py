@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,11 @@ class RunnerOutput:
     logprobs: dict[str, PositionLogprobs | None] = field(default_factory=dict)
 
 
+#: Allocates KV storage ``[num_blocks, num_layers, *block_shape]`` per group (e.g. in shared memory
+#: so a transfer backend can move it): (specs, num_blocks, device, dtypes) -> tensors.
+KVAllocator = Callable[[list[KVGroupSpec], list[int], torch.device, list[torch.dtype]], list[torch.Tensor]]
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
             "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}[name]
@@ -33,14 +39,16 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, specs: list[KVGroupSpec], num_blocks: list[int],
-                 device: torch.device, seed: int) -> None:
+                 device: torch.device, seed: int, kv_allocator: KVAllocator | None = None) -> None:
         self.model = model
         self.specs = specs
         self.device = device
-        self.kv_caches = [
-            torch.zeros((n, spec.num_layers, *spec.block_shape), dtype=torch_dtype(spec.dtype), device=device)
-            for spec, n in zip(specs, num_blocks)
-        ]
+        dtypes = [torch_dtype(spec.dtype) for spec in specs]
+        if kv_allocator is None:
+            self.kv_caches = [torch.zeros((n, spec.num_layers, *spec.block_shape), dtype=dt, device=device)
+                              for spec, n, dt in zip(specs, num_blocks, dtypes)]
+        else:
+            self.kv_caches = kv_allocator(specs, num_blocks, device, dtypes)
         self.sampler = Sampler(model.vocab_size, seed, device)
 
     @torch.inference_mode()

@@ -1,0 +1,111 @@
+"""Every KV transfer backend moves the right blocks into the right places between two processes
+(local: within one), completes with the receiver's notification, renegotiates with a restarted
+receiver, and reports failures as KVTransferError."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import uuid
+
+import pytest
+import torch
+
+from cluster.common.errors import KVTransferError
+from cluster.kv_transfer import BlockCopy, resolve_backend_name
+from tests.kv_transfer.workers import make_backend, receiver
+
+CTX = mp.get_context("spawn")
+
+
+class Receiver:
+    def __init__(self, name: str, engine_id: str) -> None:
+        self.to_child, self.from_child = CTX.Queue(), CTX.Queue()
+        self.proc = CTX.Process(target=receiver, args=(name, engine_id, self.from_child, self.to_child), daemon=True)
+        self.proc.start()
+        self.endpoint = self.from_child.get(timeout=60)
+
+    def blocks(self, key: str | None, group: int, blocks: list[int]) -> torch.Tensor:
+        """The receiver's blocks, after waiting for ``key``'s last write (None: no wait)."""
+        self.to_child.put(("check", key, group, blocks))
+        got = self.from_child.get(timeout=60)
+        if isinstance(got, str):
+            raise AssertionError(got)
+        return got
+
+    def stop(self) -> None:
+        self.to_child.put(("stop",))
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def copies() -> list[BlockCopy]:
+    return [BlockCopy(0, [3, 1, 7], [5, 0 + 2, 11]), BlockCopy(1, [2], [4])]
+
+
+@pytest.mark.parametrize("name", ["ipc", "nccl", "nixl"])
+def test_blocks_land_where_asked(name):
+    rid = f"d-{uuid.uuid4().hex[:8]}"
+    recv = Receiver(name, rid)
+    sender = make_backend(name, f"p-{uuid.uuid4().hex[:8]}", fill=7)
+    try:
+        moved = sender.send(recv.endpoint, "req-1", copies()[:1], last=False)
+        moved += sender.send(recv.endpoint, "req-1", copies()[1:], last=True)
+        assert moved == 3 * sender.layout.groups[0].block_bytes + sender.layout.groups[1].block_bytes
+        got = recv.blocks("req-1", 0, [5, 2, 11])
+        assert torch.equal(got, sender.kv_caches[0][[3, 1, 7]])
+        got = recv.blocks(None, 1, [4])
+        assert torch.equal(got, sender.kv_caches[1][[2]])
+        assert recv.blocks(None, 0, [0, 1]).abs().sum() == 0  # blocks nobody wrote
+        assert sender.stats.count == 2 and sender.stats.bytes_total == moved
+    finally:
+        sender.close()
+        recv.stop()
+
+
+@pytest.mark.parametrize("name", ["ipc", "nccl", "nixl"])
+def test_restarted_receiver_is_renegotiated(name):
+    rid = f"d-{uuid.uuid4().hex[:8]}"
+    sender = make_backend(name, f"p-{uuid.uuid4().hex[:8]}", fill=3)
+    first = Receiver(name, rid)
+    try:
+        sender.send(first.endpoint, "a", copies(), last=True)
+        first.blocks("a", 0, [5])
+    finally:
+        first.stop()
+    second = Receiver(name, rid)  # same engine id, new generation and memory
+    try:
+        assert second.endpoint.generation != first.endpoint.generation
+        sender.send(second.endpoint, "b", copies(), last=True)
+        assert torch.equal(second.blocks("b", 0, [5, 2, 11]), sender.kv_caches[0][[3, 1, 7]])
+    finally:
+        sender.close()
+        second.stop()
+
+
+def test_local_backend_and_injected_failure():
+    a = make_backend("local", f"a-{uuid.uuid4().hex[:8]}", fill=1)
+    b = make_backend("local", f"b-{uuid.uuid4().hex[:8]}", fill=None)
+    a.send(b.endpoint(), "k", copies(), last=True)
+    assert torch.equal(b.kv_caches[0][[5, 2, 11]], a.kv_caches[0][[3, 1, 7]])
+    a.inject_failures = 1
+    with pytest.raises(KVTransferError, match="injected"):
+        a.send(b.endpoint(), "k2", copies(), last=True)
+    assert a.stats.failures_total == 1
+    stale = b.endpoint()
+    b.close()
+    with pytest.raises(KVTransferError):
+        a.send(stale, "k3", copies(), last=True)
+
+
+def test_layout_mismatch_is_refused():
+    a = make_backend("local", f"a-{uuid.uuid4().hex[:8]}", fill=1)
+    b = make_backend("local", f"b-{uuid.uuid4().hex[:8]}", fill=None)
+    endpoint = b.endpoint()
+    object.__setattr__(endpoint.layout.groups[0], "block_bytes", 1)
+    with pytest.raises(KVTransferError, match="layouts differ"):
+        a.send(endpoint, "k", copies(), last=True)
+
+
+def test_auto_prefers_ipc_on_one_node():
+    assert resolve_backend_name("auto", same_node=True) == "ipc"
+    assert resolve_backend_name("auto", same_node=False) == "nixl"
