@@ -10,7 +10,12 @@ from typing import Any
 from cluster.common.outputs import CompletionOutput, RequestOutput
 from cluster.common.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "app"]
+
+
+def app(args: dict[str, Any]) -> Any:
+    """The Serve application builder: ``serve run cluster.app [key=value ...]``."""
+    return importlib.import_module("cluster.application").build_app(args)
 
 
 def __getattr__(name: str) -> Any:

@@ -74,6 +74,9 @@ class SchedulerConfig:
     role: Role = "colocated"
     #: Requests that may wait for admission before new ones are refused (bounded queue).
     max_waiting: int = 1024
+    #: Decode role: blocks reserved for a remote prefill that was abandoned stay out of use this
+    #: long, so a prefill worker still writing into them cannot corrupt another request.
+    remote_kv_grace_s: float = 2.0
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

@@ -28,6 +28,31 @@ class GenerateRequest:
 
 
 @dataclass
+class PrefillRequest:
+    """Decode -> prefill: compute this sample's prompt and write its KV into my reserved blocks."""
+
+    request: GenerateRequest
+    #: The decode worker's TransferEndpoint (a kv_transfer type; opaque here).
+    dest: Any
+    #: Per KV group, the decode worker's block table reserved for the prompt.
+    dest_block_tables: list[list[int]]
+    #: Names this transfer (unique across the cluster): the key of the completion notification.
+    transfer_key: str
+    #: Leading prompt tokens whose KV the decode worker already holds (its own prefix cache).
+    skip_tokens: int = 0
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    logprobs: PositionLogprobs | None
+    num_cached_tokens: int
+    bytes_sent: int
+    #: prefill_queue, prefill_compute, transfer (seconds spent writing KV).
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class StepOutput:
     """What a decode worker streams back for one sample after each step: the new tokens (and
     their logprobs), the cumulative text and the finish state."""

@@ -103,6 +103,7 @@ class AsyncEngine:
                 busy = self.engine.scheduler.has_work()
                 if not self._drain(block=not busy):
                     return
+                self._deliver(self.engine.take_pending())
                 if self.engine.has_work():
                     outputs = self.engine.step()
                     if self.post_step is not None:

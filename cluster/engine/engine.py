@@ -65,6 +65,8 @@ class LLMEngine:
         self._sample_group: dict[str, RequestGroup] = {}
         self._pending: list[RequestOutput] = []
         self._changed: dict[str, RequestGroup] = {}
+        #: Blocks of abandoned remote prefills, freed once their grace period ends.
+        self._quarantine: list[tuple[float, list[list[int]]]] = []
         #: (request id, tokens computed before, tokens computed) of every request in the last step.
         self.last_step: list[tuple[str, int, int]] = []
 
@@ -134,7 +136,7 @@ class LLMEngine:
         return text, ids
 
     def make_group(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                   arrival_time: float | None = None) -> RequestGroup:
+                   arrival_time: float | None = None, sample_index: int = 0) -> RequestGroup:
         """Validate and build a request without adding it (raises InvalidRequestError)."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -144,7 +146,7 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         now = arrival_time if arrival_time is not None else time.monotonic()
         samples = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, eos,
-                           sample_index=i, arrival_time=now) for i in range(params.n)]
+                           sample_index=sample_index + i, arrival_time=now) for i in range(params.n)]
         self.scheduler.check_fits(samples[0])
         group = RequestGroup(request_id, text, ids, samples)
         group.texts = [self.output_processor.make_text(s) for s in samples]
@@ -168,19 +170,32 @@ class LLMEngine:
         if group is None:
             return
         for s in group.samples:
+            if s.request_id in self.scheduler.receiving:
+                self._quarantine_blocks(s.request_id)
             self.scheduler.finish(s, status, error=error)
         self._finish_group_if_done(group, emit=True)
+
+    def _quarantine_blocks(self, request_id: str) -> None:
+        """A remote prefill may still be writing into these blocks: keep them unused for a while."""
+        tables = self.kv.detach(request_id)
+        self._quarantine.append((time.monotonic() + self.scheduler_config.remote_kv_grace_s, tables))
+
+    def _release_quarantine(self) -> None:
+        now = time.monotonic()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self.kv.free_blocks(self._quarantine.pop(0)[1])
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
     def has_work(self) -> bool:
-        """Anything to step for: unfinished requests or outputs not yet returned."""
-        return bool(self.groups) or bool(self._pending)
+        """Anything to step for: unfinished requests, outputs not yet returned, quarantined blocks."""
+        return bool(self.groups) or bool(self._pending) or bool(self._quarantine)
 
     # --- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._release_quarantine()
         self._expire_deadlines()
         sched = self.scheduler.schedule()
         self.last_step = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
@@ -256,7 +271,16 @@ class LLMEngine:
             return False
         request.append_output(first_token, logprobs, self.cache_config.block_size)
         self._after_token(request)
+        group = self._changed.pop(self._sample_group[request_id].request_id, None)
+        if group is not None:  # deliver the first token now, not after the next step
+            self._pending.append(group.output())
+            self._finish_group_if_done(group, emit=False)
         return True
+
+    def take_pending(self) -> list[RequestOutput]:
+        """Outputs produced outside a step (aborts, remotely prefilled first tokens)."""
+        pending, self._pending = self._pending, []
+        return pending
 
     def fail_remote_prefill(self, request_id: str, reason: str, fallback: bool) -> None:
         """The remote prefill or its transfer failed: prefill here instead (``fallback``) or fail."""
@@ -264,12 +288,13 @@ class LLMEngine:
         if request is None:
             return
         if not fallback:
+            self._quarantine_blocks(request_id)
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, error=reason)
             self._mark_changed(request)
             self._finish_group_if_done(self._sample_group[request_id], emit=True)
             return
         del self.scheduler.receiving[request_id]
-        self.kv.free(request_id)
+        self._quarantine_blocks(request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_cached_tokens = -1
@@ -293,10 +318,16 @@ class LLMEngine:
 
     # --- introspection -----------------------------------------------------------------------------------
 
+    def backends(self) -> list[dict[str, str]]:
+        """The implementation chosen for each component (logged at start-up, served at /v1/backends)."""
+        return list(getattr(self.model, "kernel_choices", lambda: [])()) or [
+            {"component": "attention", "op": "attention", "impl": "torch", "device": str(self.device)}]
+
     def metrics(self) -> dict[str, float]:
         return {
             "num_requests_running": float(len(self.scheduler.running)),
             "num_requests_waiting": float(len(self.scheduler.waiting) + len(self.scheduler.receiving)),
             "kv_cache_usage_perc": self.kv.usage,
+            "num_free_blocks": float(min(self.kv.num_free_blocks())),
             "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,
         }

@@ -161,6 +161,15 @@ class KVCacheManager:
                     self.pools[g].cache(tables[g][j], block_hashes[index])
             done[g] = max(done[g], full)
 
+    def detach(self, request_id: str) -> list[list[int]]:
+        """Take a request's blocks away from it without freeing them (see ``free_blocks``)."""
+        self._num_cached_blocks.pop(request_id, None)
+        return self.tables.pop(request_id, None) or []
+
+    def free_blocks(self, tables: list[list[int]]) -> None:
+        for g, blocks in enumerate(tables):
+            self.pools[g].free(blocks[::-1])
+
     def free(self, request_id: str) -> None:
         tables = self.tables.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)

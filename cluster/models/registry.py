@@ -86,6 +86,21 @@ def architecture_of(config: dict[str, Any]) -> str:
     return str(arch)
 
 
+def load_tokenizer(model: str) -> tuple[Tokenizer | None, dict[str, Any]]:
+    """The tokenizer and HF config of a ``model`` setting, without loading weights."""
+    path = resolve_model_path(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from cluster.models.gguf import read_gguf
+        checkpoint = read_gguf(path)
+        return checkpoint.tokenizer, checkpoint.config
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model path {path!r} is neither a directory nor a .gguf file", param="model")
+    config = read_config(path)
+    architecture_of(config)
+    tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    return tokenizer, config
+
+
 def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     path = resolve_model_path(model)
     if os.path.isfile(path) and path.endswith(".gguf"):

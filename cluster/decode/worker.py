@@ -1,0 +1,152 @@
+"""DecodeWorker: the decode role without Ray. For each sample it reserves KV blocks for the
+prompt, asks a prefill worker (through ``prefill_fn``) to compute into them, and once the KV has
+landed it decodes the rest in its batch, streaming StepOutputs.
+
+A sample's states here: RESERVED (blocks held) -> RECEIVING (the prefill worker writes) ->
+RUNNING (decoding) -> FINISHED. RECEIVING ends within ``kv_transfer_timeout_s``: on a failure or
+timeout the sample is prefilled here instead (or fails, if fallback is off). Short prompts, or all
+prompts when there is no prefill worker, are prefilled here from the start (LOCAL). Abandoned
+reservations stay out of use for a grace period, so a late write cannot land in reused blocks."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from cluster.common.errors import OverloadedError
+from cluster.common.messages import GenerateRequest, PrefillRequest, PrefillResult, ReplicaStats, StepOutput
+from cluster.common.outputs import RequestOutput
+from cluster.config import ClusterConfig
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import LLMEngine
+from cluster.kv_transfer import KVStorage, KVTransferBackend
+
+logger = logging.getLogger(__name__)
+
+PrefillFn = Callable[[PrefillRequest], Awaitable[PrefillResult]]
+
+
+class DecodeWorker:
+    def __init__(self, config: ClusterConfig, engine_id: str, prefill_fn: PrefillFn | None,
+                 node_id: str = "", transfer_options: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.prefill_fn = prefill_fn
+        storage = KVStorage(config.transfer.backend, engine_id, node_id, **(transfer_options or {}))
+        scheduler = dataclasses.replace(config.scheduler, role="decode")
+        engine = LLMEngine(config.model, config.cache, scheduler, kv_allocator=storage.allocate)
+        self.backend: KVTransferBackend = storage.build(engine.runner.kv_caches, engine.kv_specs)
+        self.engine = AsyncEngine(engine)
+        self.max_model_len = engine.scheduler_config.max_model_len
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StepOutput]:
+        rid = req.request_id
+        params = req.sampling_params.replace(n=1)
+        group = await self.engine.run(lambda e: e.make_group(
+            rid, req.prompt_token_ids, params, arrival_time=_monotonic(req.arrival_time),
+            sample_index=req.sample_index))
+        queue = self.engine.open_stream(rid)
+        timings: dict[str, float] = {}
+        prefill_task: asyncio.Task[None] | None = None
+        try:
+            if req.local_prefill or self.prefill_fn is None:
+                await self.engine.run(lambda e: e.add_group(group))
+            else:
+                if not await self.engine.run(lambda e: e.reserve_remote(group)):
+                    raise OverloadedError("decode worker has no free KV blocks or sequence slots")
+                tables = await self.engine.run(lambda e: [list(t) for t in e.kv.block_tables(rid)])
+                prefill = PrefillRequest(req, self.backend.endpoint(), tables, f"{self.engine_id}/{rid}")
+                prefill_task = asyncio.create_task(self._remote_prefill(prefill, timings))
+            async for out in self._read(rid, queue, timings):
+                yield out
+        finally:
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
+            self.engine.close_stream(rid)
+            self.engine.submit(lambda e: e.abort_request(rid))  # no-op once finished
+
+    async def _remote_prefill(self, prefill: PrefillRequest, timings: dict[str, float]) -> None:
+        rid, timeout = prefill.request.request_id, self.config.transfer.timeout_s
+        start = time.monotonic()
+        try:
+            assert self.prefill_fn is not None
+            result = await asyncio.wait_for(self.prefill_fn(prefill), timeout)
+            returned = time.monotonic()
+            await asyncio.to_thread(self.backend.wait_received, prefill.transfer_key, timeout)
+            timings.update(result.timings)
+            timings["transfer_wait"] = time.monotonic() - returned
+            timings["kv_ready"] = time.monotonic() - start
+            await self.engine.run(lambda e: e.finish_remote_prefill(rid, result.first_token, result.logprobs))
+            timings["num_cached_tokens"] = float(result.num_cached_tokens)
+        except asyncio.CancelledError:
+            self.backend.forget(prefill.transfer_key)
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the remote path ends the same way
+            self.backend.forget(prefill.transfer_key)
+            fallback = self.config.transfer.fallback_to_local_prefill
+            logger.warning("remote prefill of %s failed (%s); %s", rid, exc,
+                           "prefilling locally" if fallback else "failing the request")
+            await self.engine.run(lambda e: e.fail_remote_prefill(rid, f"remote prefill failed: {exc}", fallback))
+
+    async def _read(self, rid: str, queue: asyncio.Queue[Any], timings: dict[str, float]
+                    ) -> AsyncIterator[StepOutput]:
+        sent = 0
+        start = time.monotonic()
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            out: RequestOutput = item
+            completion = out.outputs[0]
+            new_ids = completion.token_ids[sent:]
+            if not new_ids and not out.finished:
+                continue
+            step = StepOutput(
+                request_id=rid, new_token_ids=new_ids, text=completion.text,
+                new_logprobs=completion.logprobs[sent:] if completion.logprobs is not None else None,
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                num_cached_tokens=out.num_cached_tokens, error=out.error)
+            if sent == 0:
+                step.timings = self._first_timings(timings, time.monotonic() - start)
+                if "num_cached_tokens" in timings:
+                    step.num_cached_tokens = int(timings["num_cached_tokens"])
+            if completion.finish_reason == "abort" and out.error == "deadline exceeded":
+                step.error_type = "RequestTimeoutError"
+            sent = len(completion.token_ids)
+            yield step
+            if out.finished:
+                return
+
+    @staticmethod
+    def _first_timings(timings: dict[str, float], ttft: float) -> dict[str, float]:
+        result = {k: timings[k] for k in ("prefill_queue", "prefill_compute", "transfer") if k in timings}
+        if "kv_ready" in timings:
+            result["transfer"] = result.get("transfer", 0.0) + timings.get("transfer_wait", 0.0)
+            result["first_decode"] = max(0.0, ttft - timings["kv_ready"])
+        result["ttft"] = ttft
+        return result
+
+    async def stats(self, replica_id: str) -> ReplicaStats:
+        metrics = await self.engine.run(lambda e: e.metrics())
+        s = self.backend.stats
+        return ReplicaStats(
+            role="decode", replica_id=replica_id,
+            num_requests_running=int(metrics["num_requests_running"]),
+            num_requests_waiting=int(metrics["num_requests_waiting"]),
+            kv_cache_usage_perc=metrics["kv_cache_usage_perc"],
+            num_free_blocks=int(metrics["num_free_blocks"]),
+            prefix_cache_hit_rate=metrics["prefix_cache_hit_rate"],
+            kv_transfer_bytes_total=s.bytes_total, kv_transfer_seconds_total=s.seconds_total,
+            kv_transfer_count=s.count, kv_transfer_failures_total=s.failures_total)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self.backend.close()
+
+
+def _monotonic(wall_time: float) -> float:
+    """A wall-clock arrival time (from another process) on this process's monotonic clock."""
+    return time.monotonic() - max(0.0, time.time() - wall_time)

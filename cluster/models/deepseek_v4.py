@@ -1,0 +1,136 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``): the founding model family.
+
+Structure (module and parameter names follow the released checkpoints, so loading is mostly a
+name-for-name copy): ``embed``; ``layers[i]`` each with ``attn`` (sliding, CSA or HCA; see
+``deepseek_v4_attention``), ``ffn`` (MoE; see ``deepseek_v4_moe``), ``attn_norm``/``ffn_norm`` and the
+hyper-connection parameters ``hc_attn_*``/``hc_ffn_*``; ``hc_head_*``, ``norm`` and ``head``. The
+residual is ``hc_mult`` streams ``[T, hc_mult, hidden]`` from the embedding to the final hyper head.
+``mtp[k]`` holds the MTP (next-n) layers' weights for speculative decoding; they take no part in
+this model's forward. KV state: see ``deepseek_v4_kv``."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from cluster.common.kv_spec import KVGroupSpec
+from cluster.models.context import ForwardContext
+from cluster.models.deepseek_v4_attention import DeepseekV4Attention
+from cluster.models.deepseek_v4_config import DeepseekV4Args
+from cluster.models.deepseek_v4_kv import LayerKV, deepseek_v4_kv_specs, layer_kv_layout
+from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head, hc_post, hc_pre
+from cluster.models.deepseek_v4_moe import DeepseekV4MoE
+from cluster.models.layers import Embedding, Linear
+
+logger = logging.getLogger(__name__)
+
+
+def _hc_params(module: nn.Module, prefix: str, args: DeepseekV4Args, mixes: int) -> None:
+    n = args.hc_mult
+    module.register_parameter(f"{prefix}_fn", nn.Parameter(
+        torch.empty(mixes, n * args.hidden_size, dtype=torch.float32), requires_grad=False))
+    module.register_parameter(f"{prefix}_base", nn.Parameter(torch.empty(mixes, dtype=torch.float32),
+                                                             requires_grad=False))
+    module.register_parameter(f"{prefix}_scale", nn.Parameter(
+        torch.empty(3 if mixes > n else 1, dtype=torch.float32), requires_grad=False))
+
+
+class DeepseekV4Block(nn.Module):
+    """One decoder layer: hyper-connected attention, then hyper-connected MoE."""
+
+    def __init__(self, args: DeepseekV4Args, layer_type: str, hash_routed: bool, kv: LayerKV,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args = args
+        self.attn = DeepseekV4Attention(args, layer_type, kv, dtype)
+        self.ffn = DeepseekV4MoE(args, hash_routed, dtype)
+        self.attn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        mixes = (2 + args.hc_mult) * args.hc_mult
+        _hc_params(self, "hc_attn", args, mixes)
+        _hc_params(self, "hc_ffn", args, mixes)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext, rope: V4Rope) -> torch.Tensor:
+        """``x [T, hc_mult, hidden]`` -> the same."""
+        a = self.args
+        h, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, a.hc_sinkhorn_iters,
+                               a.hc_eps, a.rms_norm_eps)
+        x = hc_post(self.attn(self.attn_norm(h), ctx, rope), x, post, comb)
+        h, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a.hc_sinkhorn_iters,
+                               a.hc_eps, a.rms_norm_eps)
+        return hc_post(self.ffn(self.ffn_norm(h), input_ids), x, post, comb)
+
+
+class DeepseekV4MTPLayer(DeepseekV4Block):
+    """An MTP (next-n) layer's weights: a decoder block (learned routing) plus the projections
+    that join the previous hidden streams with the next token's embedding, and its own hyper
+    head and norm. Kept for speculative decoding; not run by ``DeepseekV4ForCausalLM.forward``
+    (its KV groups come with that work)."""
+
+    def __init__(self, args: DeepseekV4Args, layer_type: str, dtype: torch.dtype) -> None:
+        unplaced = LayerKV((-1, -1), (-1, -1), (-1, -1), (-1, -1))
+        super().__init__(args, layer_type, False, unplaced, dtype)
+        self.e_proj = Linear(args.hidden_size, args.hidden_size, False, dtype)
+        self.h_proj = Linear(args.hidden_size, args.hidden_size, False, dtype)
+        self.enorm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hnorm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        _hc_params(self, "hc_head", args, args.hc_mult)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args = args
+        self.dtype = dtype
+        # Block size 1 places layers in groups; the real block size only changes block shapes.
+        self.kv_layout = layer_kv_layout(args, deepseek_v4_kv_specs(args, 1, "float32"))
+        self.embed = Embedding(args.vocab_size, args.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            DeepseekV4Block(args, kind, args.hash_layers[i], self.kv_layout[i], dtype)
+            for i, kind in enumerate(args.layer_types))
+        self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        _hc_params(self, "hc_head", args, args.hc_mult)
+        self.head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, dtype)
+        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(args, kind, dtype) for kind in args.mtp_layer_types)
+        self.rope = V4Rope(args)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.args.max_position_embeddings
+
+    def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVGroupSpec]:
+        return deepseek_v4_kv_specs(self.args, block_size, dtype)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``input_ids [T]`` -> final hidden states ``[T, hidden]``."""
+        a = self.args
+        x = self.embed(input_ids).unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()  # [T, hc, H]
+        for layer in self.layers:
+            x = layer(x, input_ids, ctx, self.rope)
+        x = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a.hc_eps, a.rms_norm_eps)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.head is None else self.head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], total: int | None = None,
+                     desc: str = "Loading weights") -> None:
+        from cluster.models.deepseek_v4_weights import load_deepseek_v4_weights
+
+        load_deepseek_v4_weights(self, weights, total=total, desc=desc)
+
+
+def build_deepseek_v4(config: dict[str, Any], dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+    from cluster.models.deepseek_v4_quant import QuantScheme
+
+    QuantScheme.from_config(config)  # an unknown quantization format fails before any allocation
+    return DeepseekV4ForCausalLM(DeepseekV4Args.from_hf(config), dtype)

@@ -1,0 +1,139 @@
+"""DeepSeek-V4 attention: shared-KV MQA (one ``head_dim``-wide entry per token is both key and
+value) over a sliding window, plus, per layer type, compressed entries: CSA (ratio ``csa_ratio``,
+overlapping windows, the lightning indexer picks the top-k entries per query) or HCA (ratio
+``hca_ratio``, every visible entry). Low-rank queries with per-head RMSNorm, partial interleaved
+RoPE on each head's trailing slice, per-head attention sinks, de-rotation of the output's rope
+slice, grouped low-rank output projection.
+
+KV state per layer (see ``deepseek_v4_kv``): its window entries, its compressed entries (and
+indexer keys), its compressor checkpoints."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cluster.models.context import ForwardContext
+from cluster.models.deepseek_v4_compressor import ChunkCompressor, CompressorWeights
+from cluster.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Args
+from cluster.models.deepseek_v4_kv import LayerKV
+from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, rope_tail, unweighted_rms_norm
+from cluster.models.layers import Linear
+from kernels.deepseek_v4_ref import indexer_topk_ref, sparse_attention_ref
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of a CSA layer: its queries (from the attention's low-rank query),
+    per-head weights, and its own compressor at ``index_head_dim``."""
+
+    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.wq_b = Linear(args.q_lora_rank, self.num_heads * self.head_dim, False, dtype)
+        self.weights_proj = Linear(args.hidden_size, self.num_heads, False, dtype)
+        self.compressor = CompressorWeights(args.hidden_size, 2 * self.head_dim, self.head_dim, args.csa_ratio,
+                                            args.rms_norm_eps, dtype)
+
+    def select(self, h: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               ctx: ForwardContext, index: tuple[int, int]) -> torch.Tensor:
+        """Top-k compressed entries per query ``[T, topk]`` (-1: none)."""
+        q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
+        q = rope_tail(q, cos, sin)
+        weights = self.weights_proj(h).float() * self.num_heads ** -0.5
+        group, layer = index
+        return indexer_topk_ref(q, weights, ctx.kv_caches[group][:, layer], ctx.block_tables[group],
+                                ctx.query_start_loc_cpu, ctx.seq_lens_cpu, self.compressor.ratio, self.topk,
+                                self.head_dim ** -0.5)
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, args: DeepseekV4Args, layer_type: str, kv: LayerKV, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args, self.layer_type, self.kv = args, layer_type, kv
+        self.num_heads, self.head_dim = args.num_heads, args.head_dim
+        self.rope_kind = "main" if layer_type == SLIDING else "compress"
+        self.ratio = args.ratio(layer_type)
+        self.wq_a = Linear(args.hidden_size, args.q_lora_rank, False, dtype)
+        self.q_norm = V4RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = Linear(args.q_lora_rank, args.num_heads * args.head_dim, False, dtype)
+        self.wkv = Linear(args.hidden_size, args.head_dim, False, dtype)
+        self.kv_norm = V4RMSNorm(args.head_dim, args.rms_norm_eps)
+        group_in = args.num_heads * args.head_dim // args.o_groups
+        # Grouped output projection: ``wo_a`` holds o_groups blocks [o_lora_rank, group_in], one per head group.
+        self.wo_a = Linear(group_in, args.o_groups * args.o_lora_rank, False, dtype)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.hidden_size, False, dtype)
+        self.attn_sink = nn.Parameter(torch.empty(args.num_heads, dtype=torch.float32), requires_grad=False)
+        self.compressor: CompressorWeights | None = None
+        self.indexer: Indexer | None = None
+        if layer_type != SLIDING:
+            overlap = 2 if layer_type == CSA else 1
+            self.compressor = CompressorWeights(args.hidden_size, overlap * args.head_dim, args.head_dim,
+                                                self.ratio, args.rms_norm_eps, dtype)
+        if layer_type == CSA:
+            self.indexer = Indexer(args, dtype)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext, rope: V4Rope) -> torch.Tensor:
+        """``h [T, hidden]`` -> ``[T, hidden]``; writes this chunk's KV state."""
+        t = h.shape[0]
+        cos, sin = rope.cos_sin(self.rope_kind, ctx.positions)
+        q_residual = self.q_norm(self.wq_a(h))
+        q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
+        q = rope_tail(unweighted_rms_norm(q, self.args.rms_norm_eps), cos, sin)  # [T, H, D]
+        kv = rope_tail(self.kv_norm(self.wkv(h)).unsqueeze(1), cos, sin)[:, 0]  # [T, D]
+        window_group, window_layer = self.kv.window
+        window_cache = ctx.kv_caches[window_group][:, window_layer]  # [num_blocks, block_size, D]
+        slots = ctx.slot_mappings[window_group]
+        assert slots is not None
+        block_size = window_cache.shape[1]
+        window_cache[slots // block_size, slots % block_size] = kv.to(window_cache.dtype)
+        compressed_cache = compressed_tables = topk = None
+        if self.compressor is not None:
+            self._compress(h, ctx, rope)
+            group, layer = self.kv.compressed  # type: ignore[misc]
+            compressed_cache, compressed_tables = ctx.kv_caches[group][:, layer], ctx.block_tables[group]
+        if self.indexer is not None:
+            assert self.kv.index is not None
+            topk = self.indexer.select(h, q_residual, cos, sin, ctx, self.kv.index)
+        out = sparse_attention_ref(q, window_cache, ctx.block_tables[window_group], compressed_cache,
+                                   compressed_tables, topk, self.attn_sink, ctx.query_start_loc_cpu,
+                                   ctx.seq_lens_cpu, self.args.sliding_window, max(self.ratio, 1),
+                                   self.head_dim ** -0.5)
+        out = rope_tail(out, cos, -sin)  # K = V carried RoPE into the output; undo it at the query position
+        return self.wo_b(self._grouped_wo_a(out))
+
+    def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
+        """``[T, H, D]`` -> ``[T, o_groups * o_lora_rank]``: each head group projected by its own block."""
+        groups = self.args.o_groups
+        x = out.reshape(out.shape[0], groups, -1).transpose(0, 1)  # [G, T, group_in]
+        w = self.wo_a.weight.view(groups, -1, x.shape[-1])  # [G, o_lora_rank, group_in]
+        return torch.bmm(x, w.transpose(1, 2)).transpose(0, 1).flatten(1)
+
+    def _compress(self, h: torch.Tensor, ctx: ForwardContext, rope: V4Rope) -> None:
+        """Pool this chunk's windows; store the entries (and indexer keys) the chunk completes."""
+        assert self.compressor is not None and self.kv.state is not None and self.kv.compressed is not None
+        d = self.head_dim
+        kv, gate = self.compressor.project(h, ctx.positions)
+        if self.indexer is None:
+            series_b, series_a = (gate, kv), None
+        else:
+            ikv, igate = self.indexer.compressor.project(h, ctx.positions)
+            di = self.indexer.head_dim
+            series_a = (torch.cat([gate[:, :d], igate[:, :di]], -1), torch.cat([kv[:, :d], ikv[:, :di]], -1))
+            series_b = (torch.cat([gate[:, d:], igate[:, di:]], -1), torch.cat([kv[:, d:], ikv[:, di:]], -1))
+        runner = ChunkCompressor(self.ratio, *self.kv.state)
+        for seq, first, pooled in runner.run(series_b, series_a, ctx):
+            positions = (torch.arange(pooled.shape[0], device=h.device) + first) * self.ratio
+            cos, sin = rope.cos_sin("compress", positions)
+            entries = self.compressor.norm(pooled[:, :d].to(h.dtype))
+            self._store(ctx, self.kv.compressed, seq, first, rope_tail(entries.unsqueeze(1), cos, sin)[:, 0])
+            if self.indexer is not None and self.kv.index is not None:
+                keys = self.indexer.compressor.norm(pooled[:, d:].to(h.dtype))
+                self._store(ctx, self.kv.index, seq, first, rope_tail(keys.unsqueeze(1), cos, sin)[:, 0])
+
+    @staticmethod
+    def _store(ctx: ForwardContext, where: tuple[int, int], seq: int, first: int, entries: torch.Tensor) -> None:
+        group, layer = where
+        cache = ctx.kv_caches[group][:, layer]  # [num_blocks, entries_per_block, width]
+        per_block = cache.shape[1]
+        index = torch.arange(first, first + entries.shape[0], device=entries.device)
+        blocks = ctx.block_tables[group][seq].long()[index // per_block]
+        cache[blocks, index % per_block] = entries.to(cache.dtype)

@@ -1,0 +1,151 @@
+"""DeepSeek-V4 compressors: pooling each window of ``R`` tokens into one compressed entry, chunk by
+chunk, with the window in progress carried between chunks in the ``state`` KV group.
+
+Each token projects a value ``kv`` and a gate (plus a learned per-slot bias ``ape``); an entry is
+the per-channel softmax-over-gates weighted mean of its window's values, RMS-normalised and rotated
+(compress RoPE) at position ``entry * R``. HCA pools plain windows. CSA windows overlap: its
+projections are twice as wide, and entry ``w`` pools the first halves (series A) of window
+``w - 1``'s tokens together with the second halves (series B) of window ``w``'s tokens. The CSA
+layer's lightning indexer pools the same windows at its own width, so its channels ride along.
+
+A chunk starts at any position: the pools are carried as ``(lse, mean)`` pairs (see
+``kernels.deepseek_v4_ref``) read from the checkpoint before the chunk's first token, and the
+checkpoint after every token block the chunk completes (and after its last token) is written back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cluster.models.context import ForwardContext
+from cluster.models.deepseek_v4_layers import V4RMSNorm
+from cluster.models.layers import Linear
+from kernels.deepseek_v4_ref import EMPTY_LSE, merge_pools_ref, softmax_pool_prefix_ref
+
+
+class CompressorWeights(nn.Module):
+    """One compressor's parameters: ``wkv``, ``wgate`` (``hidden -> width``), the per-slot gate bias
+    ``ape [R, width]`` and the entry norm (over ``dim`` channels)."""
+
+    def __init__(self, hidden: int, width: int, dim: int, ratio: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = Linear(hidden, width, False, dtype)
+        self.wgate = Linear(hidden, width, False, dtype)
+        self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32), requires_grad=False)
+        self.norm = V4RMSNorm(dim, eps)
+
+    def project(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h [T, hidden]`` -> values and biased gates ``[T, width]`` (float32)."""
+        gate = self.wgate(h).float() + self.ape[positions % self.ratio]
+        return self.wkv(h).float(), gate
+
+
+@dataclass
+class PooledChunk:
+    """One sequence's chunk, pooled: the entries its completed windows produce and the running
+    pools at each of its slots (for checkpoints)."""
+
+    first_window: int
+    entries: torch.Tensor  # [num_complete, C] pooled means, entry index first_window + i
+    lse_b: torch.Tensor  # [W, R, C] series B (the entry in progress)
+    mean_b: torch.Tensor
+    lse_a: torch.Tensor | None  # [W, R, C] series A (overlap part), CSA only
+    mean_a: torch.Tensor | None
+
+    def state_at(self, position: int, ratio: int) -> torch.Tensor:
+        """The checkpoint after ``position``: ``[2, C]`` (HCA) or ``[2, 2, C]`` (CSA)."""
+        i, j = position // ratio - self.first_window, position % ratio
+        width = self.lse_b.shape[-1]
+        empty = torch.stack([torch.full((width,), EMPTY_LSE, device=self.lse_b.device),
+                             torch.zeros(width, device=self.lse_b.device)])
+        if self.lse_a is None:
+            return torch.stack([self.lse_b[i, j], self.mean_b[i, j]]) if j < ratio - 1 else empty
+        assert self.mean_a is not None
+        if j < ratio - 1:
+            return torch.stack([torch.stack([self.lse_b[i, j], self.mean_b[i, j]]),
+                                torch.stack([self.lse_a[i, j], self.mean_a[i, j]])])
+        return torch.stack([torch.stack([self.lse_a[i, -1], self.mean_a[i, -1]]), empty])
+
+
+def pool_chunk(series_b: tuple[torch.Tensor, torch.Tensor], series_a: tuple[torch.Tensor, torch.Tensor] | None,
+               start: int, ratio: int, carry: torch.Tensor) -> PooledChunk:
+    """Pool tokens ``[start, start + n)`` of one sequence. ``series_*`` are (gate, value) ``[n, C]``;
+    ``carry`` is the checkpoint after ``start - 1`` (``[2, C]`` or ``[2, 2, C]``)."""
+    gate_b, value_b = series_b
+    n, width = gate_b.shape
+    first, last = start // ratio, (start + n - 1) // ratio
+    num_windows = last - first + 1
+    slots = torch.arange(n, device=gate_b.device) + (start - first * ratio)
+
+    def windows(gate: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.full((num_windows * ratio, width), float("-inf"), device=gate.device)
+        v = torch.zeros((num_windows * ratio, width), device=gate.device)
+        g[slots], v[slots] = gate, value
+        return g.view(num_windows, ratio, width), v.view(num_windows, ratio, width)
+
+    carry_b = carry if series_a is None else carry[0]
+    lse_b, mean_b = softmax_pool_prefix_ref(*windows(gate_b, value_b), carry_b[0], carry_b[1])
+    lse_a = mean_a = None
+    if series_a is not None:
+        lse_a, mean_a = softmax_pool_prefix_ref(*windows(*series_a), carry[1][0], carry[1][1])
+        if num_windows > 1:  # window w's entry also pools window w - 1's series A
+            lse_b[1:], mean_b[1:] = merge_pools_ref(lse_a[:-1, -1:], mean_a[:-1, -1:], lse_b[1:], mean_b[1:])
+    num_complete = (start + n) // ratio - first
+    return PooledChunk(first, mean_b[:num_complete, -1], lse_b, mean_b, lse_a, mean_a)
+
+
+def empty_state(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    state = torch.zeros(shape, device=device)
+    state[..., 0, :] = EMPTY_LSE
+    return state
+
+
+def checkpoint_positions(start: int, end: int, block_size: int) -> list[int]:
+    """Positions in ``[start, end)`` whose state is checkpointed: every block's last token, and the
+    chunk's last token."""
+    first_block_end = (start // block_size + 1) * block_size - 1
+    positions = list(range(first_block_end, end, block_size))
+    if not positions or positions[-1] != end - 1:
+        positions.append(end - 1)
+    return positions
+
+
+class ChunkCompressor:
+    """Runs one compressed layer's pooling for a batch: reads each sequence's carried state, pools
+    its chunk, writes checkpoints, and returns the new entries to store."""
+
+    def __init__(self, ratio: int, state_group: int, state_layer: int) -> None:
+        self.ratio = ratio
+        self.state_group = state_group
+        self.state_layer = state_layer
+
+    def run(self, series_b: tuple[torch.Tensor, torch.Tensor],
+            series_a: tuple[torch.Tensor, torch.Tensor] | None, ctx: ForwardContext
+            ) -> list[tuple[int, int, torch.Tensor]]:
+        """Per sequence with new entries: (sequence, first entry index, pooled means ``[m, C]``)."""
+        states = ctx.kv_caches[self.state_group][:, self.state_layer]  # [num_blocks, *state]
+        table = ctx.block_tables[self.state_group]
+        block_size = ctx.block_sizes[self.state_group]
+        out = []
+        q = ctx.query_start_loc_cpu
+        for i, seq_len in enumerate(ctx.seq_lens_cpu):
+            rows = slice(q[i], q[i + 1])
+            n = q[i + 1] - q[i]
+            if n == 0:
+                continue
+            start = seq_len - n
+            if start > 0:
+                carry = states[int(table[i, (start - 1) // block_size])].float()
+            else:
+                carry = empty_state(tuple(states.shape[1:]), states.device)
+            chunk = pool_chunk((series_b[0][rows], series_b[1][rows]),
+                               None if series_a is None else (series_a[0][rows], series_a[1][rows]),
+                               start, self.ratio, carry)
+            for p in checkpoint_positions(start, seq_len, block_size):
+                states[int(table[i, p // block_size])] = chunk.state_at(p, self.ratio).to(states.dtype)
+            if chunk.entries.shape[0]:
+                out.append((i, chunk.first_window, chunk.entries))
+        return out

@@ -1,0 +1,89 @@
+"""DeepSeek-V4 building blocks shared by its attention, MoE and model: RMSNorm with float32
+weights, the unweighted RMSNorm, the two RoPE flavours applied to each head's trailing (interleaved)
+rope slice, and the manifold-constrained hyper-connections (mHC) that mix ``hc_mult`` residual
+streams in and out of every block."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cluster.models.deepseek_v4_config import DeepseekV4Args
+from kernels.rotary import apply_rotary_ref, rope_cos_sin
+
+
+class V4RMSNorm(nn.Module):
+    """RMSNorm computed in float32 with a float32 weight, cast back once at the end."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class V4Rope(nn.Module):
+    """cos/sin tables of the ``main`` RoPE (sliding-only layers) and the ``compress`` RoPE
+    (compressed layers, their compressors and indexer; YaRN applies to it only)."""
+
+    def __init__(self, args: DeepseekV4Args) -> None:
+        super().__init__()
+        self.register_buffer("main_inv_freq", args.main_rope.inv_freq(args.rope_dim), persistent=False)
+        self.register_buffer("compress_inv_freq", args.compress_rope.inv_freq(args.rope_dim), persistent=False)
+        self.scaling = {"main": args.main_rope.attention_factor, "compress": args.compress_rope.attention_factor}
+
+    def cos_sin(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [N]`` -> ``cos, sin [N, rope_dim // 2]`` float32."""
+        inv_freq = self.main_inv_freq if kind == "main" else self.compress_inv_freq
+        return rope_cos_sin(inv_freq, positions, self.scaling[kind])
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing ``2 * cos.shape[-1]`` features of ``x [N, H, D]`` (interleaved pairs);
+    heads are laid out ``[nope | rope]``."""
+    rot = 2 * cos.shape[-1]
+    return torch.cat([x[..., :-rot], apply_rotary_ref(x[..., -rot:], cos, sin, interleaved=True)], dim=-1)
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [T, N, H]`` (N streams) -> the block input ``[T, H]`` (streams collapsed by the "pre"
+    weights) and, for ``hc_post``, the "post" weights ``[T, N]`` and the doubly-stochastic (Sinkhorn
+    projected) "comb" mixing ``[T, N, N]``, all computed from the normalised streams."""
+    n = x.shape[1]
+    flat = unweighted_rms_norm(x.flatten(1).float(), norm_eps)
+    mixes = nn.functional.linear(flat, fn.float())  # [T, (2 + N) * N]
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return collapsed, post, comb
+
+
+def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams ``[T, N, H]``: stream k = post[k] * block output + sum_j comb[j, k] * stream j."""
+    dtype = x.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Final collapse of the streams ``[T, N, H] -> [T, H]``."""
+    flat = unweighted_rms_norm(x.flatten(1).float(), norm_eps)
+    mixes = nn.functional.linear(flat, fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + eps
+    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)

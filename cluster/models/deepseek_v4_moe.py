@@ -1,0 +1,94 @@
+"""DeepSeek-V4 MoE (every layer): routed experts chosen by the learned gate (``sqrtsoftplus``,
+``sigmoid`` or ``softmax`` scores, top-k over scores plus the correction bias) or, in the first
+layers, by the token id through the frozen ``tid2eid`` table; the chosen experts' scores are
+renormalised and scaled by ``routed_scaling_factor``. Experts and the shared expert are SwiGLU with
+the configured clamp. Routed expert weights are stacked: ``w13 [E, 2I, H]`` (gate rows, then up
+rows) and ``w2 [E, H, I]``."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cluster.models.deepseek_v4_config import DeepseekV4Args
+from cluster.models.layers import Linear
+from kernels.activation import silu_and_mul_ref
+
+try:  # the kernels package's reference, when present
+    from kernels.moe import fused_moe_ref  # type: ignore[import-not-found,unused-ignore]
+except ImportError:
+    def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
+        """``x [T, H]`` through each token's experts ``topk_ids [T, k]``, weighted by ``topk_weights``."""
+        out = torch.zeros_like(x)
+        for expert in torch.unique(topk_ids).tolist():
+            token, slot = torch.where(topk_ids == expert)
+            h = silu_and_mul_ref(nn.functional.linear(x[token], w13[expert]), clamp)
+            h = nn.functional.linear(h, w2[expert]) * topk_weights[token, slot, None].to(x.dtype)
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+
+class Gate(nn.Module):
+    def __init__(self, args: DeepseekV4Args, hash_routed: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k, self.scoring = args.num_experts_per_tok, args.scoring_func
+        self.routed_scaling_factor = args.routed_scaling_factor
+        self.hash_routed = hash_routed
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        if hash_routed:
+            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.top_k, dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights ``[T, k]``, expert ids ``[T, k]``)."""
+        logits = nn.functional.linear(x, self.weight)
+        if self.scoring == "sqrtsoftplus":
+            scores = nn.functional.softplus(logits).sqrt()
+        elif self.scoring == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        if self.hash_routed:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype) -> None:
+        super().__init__()
+        e, i, h = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
+
+
+class SharedExperts(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, clamp: float | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.clamp = clamp
+        self.w1 = Linear(hidden, intermediate, False, dtype)
+        self.w2 = Linear(intermediate, hidden, False, dtype)
+        self.w3 = Linear(hidden, intermediate, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(silu_and_mul_ref(torch.cat([self.w1(x), self.w3(x)], dim=-1), self.clamp))
+
+
+class DeepseekV4MoE(nn.Module):
+    def __init__(self, args: DeepseekV4Args, hash_routed: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.clamp = args.swiglu_limit
+        self.gate = Gate(args, hash_routed, dtype)
+        self.experts = Experts(args, dtype)
+        shared = args.moe_intermediate_size * args.n_shared_experts
+        self.shared_experts = SharedExperts(args.hidden_size, shared, self.clamp, dtype) if shared else None
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        out = fused_moe_ref(x, self.experts.w13, self.experts.w2, weights, ids, self.clamp)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

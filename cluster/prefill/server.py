@@ -1,0 +1,60 @@
+"""PrefillServer: the prefill role as a Ray Serve deployment (one engine per replica). Decode
+replicas call ``prefill``; the replica reports its queue to routers and its statistics to the
+ClusterState deployment."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+from ray import serve
+
+from cluster.common.messages import PrefillRequest, PrefillResult, ReplicaStats
+from cluster.config import ClusterConfig
+from cluster.prefill.worker import PrefillWorker
+
+logger = logging.getLogger(__name__)
+REPORT_PERIOD_S = 0.5
+
+
+@serve.deployment(name="PrefillServer", max_ongoing_requests=512)
+class PrefillServer:
+    async def __init__(self, config: ClusterConfig, state: Any = None) -> None:
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        node_id = ray.get_runtime_context().get_node_id()
+        self.worker = PrefillWorker(config, engine_id=f"prefill-{self.replica_id}", node_id=node_id)
+        self.state = state
+        self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        return await self.worker.prefill(request)
+
+    async def stats(self) -> ReplicaStats:
+        return await self.worker.stats(self.replica_id)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        s = await self.stats()
+        return {"waiting": s.num_requests_waiting, "running": s.num_requests_running,
+                "free_blocks": s.num_free_blocks}
+
+    def inject_transfer_failures(self, count: int) -> None:
+        """Test hook: fail the next ``count`` KV writes of this replica."""
+        self.worker.backend.inject_failures = count
+
+    async def check_health(self) -> None:
+        if self.worker.engine.dead is not None:
+            raise RuntimeError(f"engine loop stopped: {self.worker.engine.dead}")
+
+    async def _report_forever(self) -> None:
+        while self.state is not None:
+            try:
+                await self.state.report.remote(await self.stats(), self.worker.engine.engine.backends())
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                logger.debug("stats report failed", exc_info=True)
+            await asyncio.sleep(REPORT_PERIOD_S)
+
+    def __del__(self) -> None:
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.shutdown()

@@ -1,0 +1,134 @@
+"""PrefillWorker: the prefill role without Ray. It prefills prompts (chunked and batched by the
+shared scheduler), writes each step's KV blocks into the decode worker's reserved blocks as soon
+as the step is done, and returns the first token.
+
+A request's states here: QUEUED (waiting in the scheduler) -> PREFILLING (chunks computed, each
+followed by a write) -> SENT (last write done, first token known) -> RELEASED (blocks freed).
+A failed write ends the request with KVTransferError; cancellation (the decode side gave up) or
+the request's deadline aborts it; every path frees its blocks."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from cluster.common.errors import ClusterError, KVTransferError, RequestTimeoutError
+from cluster.common.messages import PrefillRequest, PrefillResult, ReplicaStats
+from cluster.config import ClusterConfig
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import LLMEngine
+from cluster.kv_transfer import KVStorage, KVTransferBackend
+from cluster.kv_transfer.plan import plan_block_copies
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillJob:
+    prefill: PrefillRequest
+    #: Tokens whose blocks have been written to the decode worker.
+    written_upto: int
+    bytes_sent: int = 0
+    transfer_s: float = 0.0
+    cancelled: bool = False
+    error: Exception | None = None
+
+
+class PrefillWorker:
+    def __init__(self, config: ClusterConfig, engine_id: str, node_id: str = "") -> None:
+        self.config = config
+        self.engine_id = engine_id
+        storage = KVStorage(config.transfer.backend, engine_id, node_id)
+        scheduler = dataclasses.replace(config.scheduler, role="prefill")
+        engine = LLMEngine(config.model, config.cache, scheduler, kv_allocator=storage.allocate)
+        self.backend: KVTransferBackend = storage.build(engine.runner.kv_caches, engine.kv_specs)
+        self._jobs: dict[str, PrefillJob] = {}
+        self._jobs_lock = threading.Lock()
+        self.engine = AsyncEngine(engine, post_step=self._write_step)
+
+    # --- the request --------------------------------------------------------------------------
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        sample = req.request
+        rid = req.transfer_key
+        params = sample.sampling_params.replace(n=1)
+        group = await self.engine.run(
+            lambda e: e.make_group(rid, sample.prompt_token_ids, params, sample_index=sample.sample_index))
+        request = group.samples[0]
+        request.hold_blocks_on_finish = True
+        job = PrefillJob(req, written_upto=req.skip_tokens)
+        with self._jobs_lock:
+            self._jobs[rid] = job
+        try:
+            final = None
+            async for out in self.engine.generate(group):
+                final = out
+            if job.error is not None:
+                raise job.error
+            assert final is not None and final.finished
+            completion = final.outputs[0]
+            if completion.finish_reason in ("error", "abort") or not completion.token_ids:
+                if final.error == "deadline exceeded":
+                    raise RequestTimeoutError("the request's deadline passed during prefill")
+                raise ClusterError(f"prefill failed: {final.error or completion.finish_reason}")
+            timings = {
+                "prefill_queue": (request.first_scheduled_time or request.arrival_time) - request.arrival_time,
+                "prefill_compute": (request.first_token_time or time.monotonic())
+                - (request.first_scheduled_time or request.arrival_time),
+                "transfer": job.transfer_s,
+            }
+            first_logprobs = completion.logprobs[0] if completion.logprobs else None
+            return PrefillResult(completion.token_ids[0], first_logprobs, final.num_cached_tokens,
+                                 job.bytes_sent, timings)
+        finally:
+            job.cancelled = True  # the engine thread stops writing for it from now on
+            with self._jobs_lock:
+                self._jobs.pop(rid, None)
+            self.engine.submit(lambda e: e.scheduler.release(rid))
+
+    # --- runs in the engine thread after every step -----------------------------------------------
+
+    def _write_step(self, engine: LLMEngine) -> None:
+        for rid, computed_before, num_new in engine.last_step:
+            with self._jobs_lock:
+                job = self._jobs.get(rid)
+            if job is None or job.cancelled or job.error is not None or rid not in engine.kv.tables:
+                continue
+            request = engine.scheduler.requests.get(rid)
+            end = computed_before + num_new
+            if request is None or end <= job.written_upto:
+                continue
+            copies = plan_block_copies(engine.kv_specs, engine.kv.block_tables(rid),
+                                       job.prefill.dest_block_tables, job.written_upto, end)
+            last = end >= request.num_prompt_tokens
+            start = time.perf_counter()
+            try:
+                job.bytes_sent += self.backend.send(job.prefill.dest, rid, copies, last)
+            except KVTransferError as exc:
+                logger.warning("KV write for %s failed: %s", rid, exc)
+                job.error = exc
+                engine.abort_request(rid, error=str(exc))
+                continue
+            job.transfer_s += time.perf_counter() - start
+            job.written_upto = end
+
+    # --- introspection ------------------------------------------------------------------------------
+
+    async def stats(self, replica_id: str) -> ReplicaStats:
+        metrics = await self.engine.run(lambda e: e.metrics())
+        s = self.backend.stats
+        return ReplicaStats(
+            role="prefill", replica_id=replica_id,
+            num_requests_running=int(metrics["num_requests_running"]),
+            num_requests_waiting=int(metrics["num_requests_waiting"]),
+            kv_cache_usage_perc=metrics["kv_cache_usage_perc"],
+            num_free_blocks=int(metrics.get("num_free_blocks", 0)),
+            prefix_cache_hit_rate=metrics["prefix_cache_hit_rate"],
+            kv_transfer_bytes_total=s.bytes_total, kv_transfer_seconds_total=s.seconds_total,
+            kv_transfer_count=s.count, kv_transfer_failures_total=s.failures_total)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self.backend.close()

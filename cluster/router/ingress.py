@@ -1,0 +1,103 @@
+"""Ingress: the HTTP entry (the OpenAI app from cluster.api) as a Ray Serve deployment. It is the
+EngineClient behind that app: it bounds requests in flight, decides per sample whether the
+decode replica prefills it itself (prompts under ``local_prefill_threshold`` tokens, or no
+prefill replicas), attaches the prompt's block hashes for prefix-cache affinity, and streams the
+decode replica (chosen by DecodeRouter: most free KV blocks, least load). A decode replica that
+is full answers before any output and the sample is retried on another."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from cluster.api.server import build_openai_app
+from cluster.common.block_hash import hash_token_blocks
+from cluster.common.errors import OverloadedError
+from cluster.common.messages import GenerateRequest, ReplicaStats, StepOutput
+from cluster.config import ClusterConfig
+from cluster.models.registry import DEFAULT_MODEL, load_tokenizer
+from cluster.models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+#: Leading prompt blocks hashed for prefix affinity.
+AFFINITY_BLOCKS = 64
+DECODE_RETRIES = 3
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class Ingress:
+    async def __init__(self, config: ClusterConfig, decode: Any, state: Any = None) -> None:
+        self.config = config
+        self.decode = decode
+        self.state = state
+        tokenizer, _ = load_tokenizer(config.model.model)
+        if tokenizer is None:
+            raise RuntimeError(f"model {config.model.model!r} has no tokenizer; the HTTP API needs one")
+        self.tokenizer: Tokenizer = tokenizer
+        info = await decode.info.remote()
+        self.max_model_len = int(info["max_model_len"])
+        self.model_name = config.served_model_name or _default_name(config.model.model)
+        self._inflight = 0
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_openai_app(self, max_body_bytes=self.config.max_body_bytes,
+                                served_model_name=self.model_name,
+                                request_timeout_s=self.config.request_timeout_s,
+                                block_size=self.config.cache.block_size)
+
+    # --- EngineClient ----------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        if self._inflight >= self.config.max_inflight_requests:
+            raise OverloadedError(f"{self._inflight} requests in flight; try again later")
+        self._inflight += 1
+        try:
+            self._route(request)
+            for attempt in range(DECODE_RETRIES):
+                started = False
+                response = self.decode.options(stream=True).generate.remote(request)
+                try:
+                    async for out in response:
+                        started = True
+                        yield out
+                    return
+                except OverloadedError:
+                    if started or attempt == DECODE_RETRIES - 1:
+                        raise
+                    await asyncio.sleep(0.05 * (attempt + 1))
+                finally:
+                    response.cancel()
+        finally:
+            self._inflight -= 1
+
+    def _route(self, request: GenerateRequest) -> None:
+        n = len(request.prompt_token_ids)
+        threshold = self.config.transfer.local_prefill_threshold
+        request.local_prefill = self.config.prefill_replicas == 0 or n < threshold
+        if not request.block_hashes:
+            bs = self.config.cache.block_size
+            request.block_hashes = hash_token_blocks(request.prompt_token_ids[: AFFINITY_BLOCKS * bs], bs)
+
+    async def check_health(self) -> None:
+        await asyncio.wait_for(self.decode.info.remote(), 10.0)
+
+    async def replica_stats(self) -> list[ReplicaStats]:
+        if self.state is None:
+            return []
+        return list(await self.state.snapshot.remote())
+
+    async def backends(self) -> list[dict[str, Any]]:
+        if self.state is None:
+            return []
+        return list(await self.state.backends.remote())
+
+
+def _default_name(model: str) -> str:
+    if model == DEFAULT_MODEL:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(model.rstrip("/")).removesuffix(".gguf")

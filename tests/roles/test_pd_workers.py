@@ -1,0 +1,119 @@
+"""Prefill and decode workers wired together in one process (local KV transfer): disaggregated
+output equals colocated output token for token, failures fall back or fail cleanly, and every
+block is returned on both sides."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from cluster import LLM, SamplingParams
+from cluster.common.messages import GenerateRequest
+from cluster.config import parse_cluster_args
+from cluster.decode.worker import DecodeWorker
+from cluster.prefill.worker import PrefillWorker
+from tests.factories import make_checkpoint, mixed_prompts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama"))
+    make_checkpoint(path, "llama")
+    return path
+
+
+def make_pair(model_dir: str, **settings):
+    config = parse_cluster_args({"model": model_dir, "kv_transfer": "local", "block_size": 4,
+                                 "max_num_batched_tokens": 16, **settings}, use_env=False)
+    prefill = PrefillWorker(config, engine_id=f"p-{uuid.uuid4().hex[:6]}")
+    decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=prefill.prefill)
+    return prefill, decode
+
+
+async def collect(decode: DecodeWorker, req: GenerateRequest) -> list[int]:
+    tokens: list[int] = []
+    async for out in decode.generate(req):
+        tokens += out.new_token_ids
+        if out.error:
+            raise RuntimeError(out.error)
+    return tokens
+
+
+async def run_all(decode, prompts, params, concurrency=8, local=False):
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i, p):
+        async with sem:
+            return await collect(decode, GenerateRequest(f"r{i}", p, params, local_prefill=local))
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+def prompts_with_shared_prefixes() -> list[list[int]]:
+    base = mixed_prompts(300, (3, 5, 9, 13, 17, 22, 30, 41), seed=3)
+    shared = base[-1]
+    return base + [shared + p[:5] for p in base[:8]] + mixed_prompts(300, (7, 19, 26, 33), seed=4)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_disaggregated_equals_colocated(model_dir, sampling):
+    params = (SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) if sampling == "greedy"
+              else SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True))
+    prompts = prompts_with_shared_prefixes()
+    assert len(prompts) >= 20
+    expected = [o.outputs[0].token_ids for o in LLM(model_dir, block_size=4).generate(prompts, params)]
+    prefill, decode = make_pair(model_dir)
+    try:
+        got = asyncio.run(run_all(decode, prompts, params))
+        assert got == expected
+        assert decode.backend.stats.count == 0 and prefill.backend.stats.count > 0
+        assert decode.engine.engine.kv.usage == 0.0 and prefill.engine.engine.kv.usage == 0.0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_transfer_failure_falls_back_to_local_prefill(model_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = mixed_prompts(300, (21,), seed=9)[0]
+    expected = LLM(model_dir, block_size=4).generate([prompt], params)[0].outputs[0].token_ids
+    prefill, decode = make_pair(model_dir)
+    try:
+        prefill.backend.inject_failures = 1
+        got = asyncio.run(collect(decode, GenerateRequest("f1", prompt, params)))
+        assert got == expected and prefill.backend.stats.failures_total == 1
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_transfer_failure_without_fallback_fails_cleanly(model_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prefill, decode = make_pair(model_dir, fallback_to_local_prefill=False, remote_kv_grace_s=0.1)
+    try:
+        prefill.backend.inject_failures = 1
+
+        async def go():
+            outs = [o async for o in decode.generate(GenerateRequest("f2", [5, 6, 7, 8, 9], params))]
+            ok = await collect(decode, GenerateRequest("ok", [5, 6, 7], params))
+            await asyncio.sleep(0.3)  # the abandoned reservation's grace period
+            await decode.engine.run(lambda e: e.step())
+            return outs, ok
+        outs, ok = asyncio.run(go())
+        assert outs[-1].finish_reason == "error" and "injected" in (outs[-1].error or "")
+        assert len(ok) == 8  # the next request is served
+        assert decode.engine.engine.kv.usage == 0.0 and prefill.engine.engine.kv.usage == 0.0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_conditional_disaggregation_prefills_short_prompts_locally(model_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prefill, decode = make_pair(model_dir)
+    try:
+        asyncio.run(run_all(decode, [[4, 5, 6]], params, local=True))
+        assert prefill.backend.stats.count == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
