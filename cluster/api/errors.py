@@ -1,0 +1,90 @@
+"""Failures at the HTTP edge as OpenAI error bodies: the ClusterError an error output stands for,
+pydantic validation errors as 400s naming the field, the 413 for oversize bodies, and the
+opaque 500 for everything unexpected (logged with its traceback here, never sent)."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from cluster.common import errors as common_errors
+from cluster.common.errors import (
+    ClusterError,
+    InvalidRequestError,
+    RequestAbortedError,
+    RequestTimeoutError,
+)
+from cluster.common.messages import StepOutput
+
+#: Error class name (StepOutput.error_type) -> class.
+_ERROR_CLASSES: dict[str, type[ClusterError]] = {
+    name: cls for name, cls in vars(common_errors).items()
+    if isinstance(cls, type) and issubclass(cls, ClusterError)
+}
+
+
+class RequestTooLargeError(InvalidRequestError):
+    status_code = 413
+
+
+def internal_error() -> ClusterError:
+    return ClusterError("Internal server error", code="internal_error")
+
+
+def error_response(exc: ClusterError) -> JSONResponse:
+    return JSONResponse(exc.to_openai(), status_code=exc.status_code)
+
+
+def output_error(out: StepOutput) -> ClusterError | None:
+    """The error a finished sample output stands for: finish_reason "error" (typed by
+    ``error_type``) or "abort" (a deadline, or an abort by the engine)."""
+    if out.finish_reason not in ("abort", "error"):
+        return None
+    message = out.error or ("request aborted" if out.finish_reason == "abort" else "generation failed")
+    cls = _ERROR_CLASSES.get(out.error_type or "")
+    if cls is None:
+        if out.finish_reason == "error":
+            cls = ClusterError
+        elif "deadline" in message.lower() or "timeout" in message.lower():
+            cls = RequestTimeoutError
+        else:
+            cls = RequestAbortedError
+    return cls(message, code="deadline_exceeded" if cls is RequestTimeoutError else None)
+
+
+def raise_for_output(out: StepOutput) -> None:
+    error = output_error(out)
+    if error is not None:
+        raise error
+
+
+def validation_error(exc: ValidationError) -> InvalidRequestError:
+    """A pydantic error as a 400 naming the first offending top-level field."""
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    if not errors:
+        return InvalidRequestError("invalid request body")
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return InvalidRequestError(f"malformed JSON body: {first['msg']}", code="invalid_json")
+    if first["type"] == "model_type" and not first["loc"]:
+        return InvalidRequestError("the request body must be a JSON object")
+    messages = []
+    for e in errors[:5]:
+        where = _loc(e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        messages.append(f"{where}: {msg}" if where else msg)
+    param = str(first["loc"][0]) if first["loc"] else None
+    return InvalidRequestError("; ".join(messages), param=param)
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[str]", "list[ContentPart]", "none") or "[" in str(part):
+            continue  # the union member pydantic tried, not a field
+        else:
+            out += f".{part}" if out else str(part)
+    return out

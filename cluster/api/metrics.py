@@ -1,0 +1,167 @@
+"""Prometheus metrics of the OpenAI front end, in an own CollectorRegistry (never the process-global
+one, so several apps in one process do not collide), with vLLM-style ``cluster:`` names.
+
+Measured here, per sample (one engine request; a request with ``n=2`` counts twice):
+- histograms ``cluster:time_to_first_token_seconds`` (arrival to the first output carrying a
+  token), ``cluster:inter_token_latency_seconds`` (each gap between two outputs carrying tokens:
+  one per engine step, as vLLM v1 counts it), ``cluster:e2e_request_latency_seconds``;
+- the TTFT breakdown from ``StepOutput.timings``: ``cluster:ttft_prefill_queue_seconds``,
+  ``cluster:ttft_prefill_compute_seconds``, ``cluster:ttft_kv_transfer_seconds``,
+  ``cluster:ttft_first_decode_seconds``;
+- counters ``cluster:request_finished_total{finished_reason}`` (stop, length, abort, error),
+  ``cluster:prompt_tokens_total``, ``cluster:generation_tokens_total`` and
+  ``cluster:http_requests_total{route,status}``.
+
+Rendered at scrape time from ``EngineClient.replica_stats()``, labelled ``role`` and ``replica``:
+gauges ``cluster:num_requests_running``, ``cluster:num_requests_waiting``,
+``cluster:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM's), ``cluster:prefix_cache_hit_rate``,
+``cluster:kv_cache_free_blocks``; counters ``cluster:kv_transfer_bytes_total`` and
+``cluster:kv_transfer_failures_total``; and ``cluster:kv_transfer_seconds`` as a summary without
+quantiles, i.e. the pair ``cluster:kv_transfer_seconds_sum`` (seconds spent moving KV) and
+``cluster:kv_transfer_seconds_count`` (transfers), so ``rate(_sum) / rate(_count)`` is the mean
+transfer time. Numeric entries of ``ReplicaStats.extra`` whose key is a valid metric name become
+gauges ``cluster:<key>`` (e.g. ``spec_accept_len``), so roles can add gauges without touching
+this file.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+
+from cluster.common.messages import ReplicaStats, StepOutput
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+#: StepOutput.timings key -> TTFT breakdown histogram name.
+TTFT_PARTS = {
+    "prefill_queue": "cluster:ttft_prefill_queue_seconds",
+    "prefill_compute": "cluster:ttft_prefill_compute_seconds",
+    "transfer": "cluster:ttft_kv_transfer_seconds",
+    "first_decode": "cluster:ttft_first_decode_seconds",
+}
+#: ReplicaStats field -> (metric name, help) rendered as a gauge.
+_REPLICA_GAUGES = {
+    "num_requests_running": ("cluster:num_requests_running", "Requests in the replica's running batch."),
+    "num_requests_waiting": ("cluster:num_requests_waiting", "Requests waiting in the replica's queue."),
+    "kv_cache_usage_perc": ("cluster:kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1)."),
+    "prefix_cache_hit_rate": ("cluster:prefix_cache_hit_rate", "Prefix cache hit rate (0 to 1)."),
+    "num_free_blocks": ("cluster:kv_cache_free_blocks", "Free KV blocks."),
+}
+_METRIC_KEY = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_LABELS = ["role", "replica"]
+
+
+class ReplicaStatsCollector:
+    """Renders the replicas' latest stats (set just before each scrape) as metric families."""
+
+    def __init__(self) -> None:
+        self.stats: list[ReplicaStats] = []
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        for field_name, (name, doc) in _REPLICA_GAUGES.items():
+            gauge = GaugeMetricFamily(name, doc, labels=_LABELS)
+            for s in stats:
+                gauge.add_metric([s.role, s.replica_id], float(getattr(s, field_name)))
+            yield gauge
+        transferred = CounterMetricFamily("cluster:kv_transfer_bytes", "KV bytes moved between prefill "
+                                          "and decode.", labels=_LABELS)
+        failures = CounterMetricFamily("cluster:kv_transfer_failures", "Failed KV transfers.", labels=_LABELS)
+        seconds = SummaryMetricFamily("cluster:kv_transfer_seconds", "Time spent moving KV blocks "
+                                      "(_sum: seconds, _count: transfers).", labels=_LABELS)
+        for s in stats:
+            labels = [s.role, s.replica_id]
+            transferred.add_metric(labels, float(s.kv_transfer_bytes_total))
+            failures.add_metric(labels, float(s.kv_transfer_failures_total))
+            seconds.add_metric(labels, count_value=s.kv_transfer_count, sum_value=s.kv_transfer_seconds_total)
+        yield from (transferred, failures, seconds)
+        yield from self._extra_gauges(stats)
+
+    @staticmethod
+    def _extra_gauges(stats: list[ReplicaStats]) -> Iterator[Metric]:
+        reserved = {name.split(":", 1)[1] for name, _ in _REPLICA_GAUGES.values()} | set(_REPLICA_GAUGES)
+        families: dict[str, GaugeMetricFamily] = {}
+        for s in stats:
+            for key, value in s.extra.items():
+                if (not _METRIC_KEY.match(key) or key in reserved or isinstance(value, bool)
+                        or not isinstance(value, (int, float))):
+                    continue
+                family = families.get(key)
+                if family is None:
+                    family = families[key] = GaugeMetricFamily(f"cluster:{key}", f"Replica gauge {key}.",
+                                                               labels=_LABELS)
+                family.add_metric([s.role, s.replica_id], float(value))
+        yield from families.values()
+
+
+class SampleTimer:
+    """Observes one sample's outputs as they arrive: TTFT, its breakdown, ITL, e2e, tokens."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._start = time.monotonic()
+        self._last_token: float | None = None
+        self._done = False
+
+    def on_output(self, out: StepOutput) -> None:
+        now = time.monotonic()
+        m = self._metrics
+        if out.new_token_ids:
+            if self._last_token is None:
+                m.ttft.observe(now - self._start)
+                for key, histogram in m.ttft_parts.items():
+                    if key in out.timings:
+                        histogram.observe(max(0.0, out.timings[key]))
+            else:
+                m.itl.observe(now - self._last_token)
+            self._last_token = now
+            m.generation_tokens.inc(len(out.new_token_ids))
+        if out.finished:
+            reason = out.finish_reason or "error"
+            self.finish("error" if out.error and reason not in ("abort", "error") else reason)
+
+    def finish(self, reason: str) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._metrics.e2e.observe(time.monotonic() - self._start)
+        self._metrics.finished.labels(finished_reason=reason).inc()
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("cluster:time_to_first_token_seconds", "Time to the first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("cluster:inter_token_latency_seconds", "Time between two outputs "
+                             "carrying tokens.", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("cluster:e2e_request_latency_seconds", "Arrival to the last output.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.ttft_parts = {key: Histogram(name, f"TTFT breakdown: {key}.", buckets=TTFT_BUCKETS, registry=r)
+                           for key, name in TTFT_PARTS.items()}
+        self.finished = Counter("cluster:request_finished", "Samples finished, by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("cluster:prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.generation_tokens = Counter("cluster:generation_tokens", "Generated tokens.", registry=r)
+        self.http_requests = Counter("cluster:http_requests", "HTTP requests by route and status.",
+                                     ["route", "status"], registry=r)
+        self.replicas = ReplicaStatsCollector()
+        r.register(self.replicas)
+
+    def sample_timer(self) -> SampleTimer:
+        return SampleTimer(self)
+
+    def render(self, stats: list[ReplicaStats]) -> bytes:
+        """Prometheus text with the replica gauges set from ``stats`` (no await in between, so
+        concurrent scrapes cannot interleave)."""
+        self.replicas.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,185 @@
+"""The OpenAI-compatible FastAPI app over an EngineClient: ``build_openai_app``.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus text), GET /v1/backends. Request bodies are read here, not by FastAPI,
+so that the size limit (413) is enforced on the Content-Length header and on the bytes actually
+read, and malformed JSON and wrong types are 400s with an OpenAI error body (FastAPI would say
+422). Every error leaves as ``{"error": {"message", "type", "param", "code"}}``.
+
+A client that disconnects cancels its request: while a handler runs (non-streaming, or waiting
+for a stream's first output) a watcher on the ASGI receive channel cancels it; once a stream has
+started, Starlette cancels the stream itself. Either way the sample iterators are cancelled, so
+the engine aborts them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from cluster.api.client import EngineClient
+from cluster.api.errors import RequestTooLargeError, error_response, internal_error, validation_error
+from cluster.api.metrics import ServerMetrics
+from cluster.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cluster.api.serving import OpenAIServing, new_request_id
+from cluster.common.errors import ClusterError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The request body, refusing (413) one over ``max_body_bytes`` by its header or its bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise InvalidRequestError("invalid Content-Length header") from None
+        if size > max_body_bytes:
+            raise RequestTooLargeError(f"request body of {size} bytes exceeds the limit of "
+                                       f"{max_body_bytes} bytes", code="request_too_large")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > max_body_bytes:
+            raise RequestTooLargeError(f"request body exceeds the limit of {max_body_bytes} bytes",
+                                       code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_body(model: type[RequestModel], body: bytes) -> RequestModel:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, handler: Awaitable[Response]) -> Response:
+    """Run ``handler``; if the client disconnects first, cancel it (and answer nothing useful:
+    nobody is listening)."""
+    work = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            logger.info("client disconnected; request %s cancelled", request.url.path)
+    if work.cancelled():
+        return Response(status_code=499)
+    return work.result()
+
+
+async def _respond(route: str, metrics: ServerMetrics, call: Callable[[], Awaitable[Response]]) -> Response:
+    """Run a route's body, mapping failures to OpenAI error responses and counting statuses."""
+    try:
+        response = await call()
+    except ClusterError as exc:
+        response = error_response(exc)
+    except Exception:
+        logger.exception("internal error on %s", route)
+        response = error_response(internal_error())
+    metrics.http_requests.labels(route=route, status=str(response.status_code)).inc()
+    return response
+
+
+def build_openai_app(client: EngineClient, *, max_body_bytes: int, served_model_name: str | None = None,
+                     request_timeout_s: float | None = None, block_size: int = 16) -> FastAPI:
+    """The OpenAI HTTP app serving ``client``. ``request_timeout_s`` caps every request's
+    deadline (a request's own ``timeout`` may only shorten it); ``block_size`` is the KV block
+    size of the prompt block hashes sent for prefix-cache routing."""
+    metrics = ServerMetrics()
+    serving = OpenAIServing(client, metrics, model_name=served_model_name or client.model_name,
+                            block_size=block_size, request_timeout_s=request_timeout_s)
+    app = FastAPI(title="pd-cluster OpenAI API", docs_url=None, redoc_url=None)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        async def call() -> Response:
+            body = parse_body(CompletionRequest, await read_body(request, max_body_bytes))
+            return await cancel_on_disconnect(request, serving.completions(body, new_request_id("cmpl")))
+        return await _respond("/v1/completions", metrics, call)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        async def call() -> Response:
+            body = parse_body(ChatCompletionRequest, await read_body(request, max_body_bytes))
+            return await cancel_on_disconnect(request, serving.chat(body, new_request_id("chatcmpl")))
+        return await _respond("/v1/chat/completions", metrics, call)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=serving.model_name, root=client.model_name, max_model_len=client.max_model_len)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await client.check_health()
+        except Exception as exc:
+            logger.warning("health check failed: %r", exc)
+            message = exc.message if isinstance(exc, ClusterError) else "service unavailable"
+            return JSONResponse({"error": {"message": message, "type": "service_unavailable",
+                                           "param": None, "code": None}}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        try:
+            stats = await client.replica_stats()
+        except Exception:
+            logger.exception("replica_stats failed; serving front-end metrics only")
+            stats = []
+        return Response(metrics.render(stats), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/backends")
+    async def backends() -> Response:
+        async def call() -> Response:
+            return JSONResponse(await client.backends())
+        return await _respond("/v1/backends", metrics, call)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """OpenAI error bodies for what FastAPI itself answers (unknown routes, wrong methods...)."""
+
+    async def http_error(request: Request, exc: Any) -> Response:
+        status = getattr(exc, "status_code", 500)
+        error_type = "not_found_error" if status == 404 else "invalid_request_error"
+        body = {"error": {"message": str(getattr(exc, "detail", "")) or "error", "type": error_type,
+                          "param": None, "code": None}}
+        return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
+
+    async def request_validation(request: Request, exc: Any) -> Response:
+        return error_response(InvalidRequestError(str(exc)))
+
+    async def cluster_error(request: Request, exc: Any) -> Response:
+        return error_response(exc)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, request_validation)
+    app.add_exception_handler(ClusterError, cluster_error)
