@@ -15,7 +15,9 @@ from cluster.config import ClusterConfig, parse_cluster_args
 from cluster.decode.server import DecodeServer
 from cluster.models.registry import load_tokenizer
 from cluster.prefill.server import PrefillServer
+from cluster.prefill.worker import PrefillWorker
 from cluster.router.ingress import Ingress
+from cluster.router.planner import deployment_scaling
 from cluster.router.routers import DecodeRouter, PrefillRouter
 from cluster.router.state import ClusterState
 
@@ -43,17 +45,18 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     actor = {"num_gpus": gpus, "num_cpus": cpus}
     state = ClusterState.bind()
     prefill = None
-    if config.prefill_replicas > 0:
+    local = config.transfer.backend == "local" and config.prefill_replicas > 0
+    if config.prefill_replicas > 0 and not local:
         prefill = PrefillServer.options(
-            num_replicas=config.prefill_replicas, ray_actor_options=actor,
+            **deployment_scaling(config, "prefill"), ray_actor_options=actor,
             request_router_config=RequestRouterConfig(
                 request_router_class=PrefillRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
         ).bind(config, state)
     decode = DecodeServer.options(
-        num_replicas=config.decode_replicas, ray_actor_options=actor,
+        **deployment_scaling(config, "decode"), ray_actor_options=actor,
         request_router_config=RequestRouterConfig(
             request_router_class=DecodeRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
-    ).bind(config, prefill, state)
+    ).bind(config, prefill, state, PrefillWorker if local else None)
     logger.info("pd-cluster: %d prefill + %d decode replicas of %s, kv_transfer=%s, %s GPU(s) each",
                 config.prefill_replicas, config.decode_replicas, config.model.model, config.transfer.backend, gpus)
     return Ingress.bind(config, decode, state)

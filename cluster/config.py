@@ -127,17 +127,55 @@ class ClusterConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     #: Requests in flight at the ingress before new ones get 503.
     max_inflight_requests: int = 512
-    #: Let the planner change replica counts between these bounds.
+    #: Let the planner (cluster.router.planner) change each role's replica count between these
+    #: bounds, keeping p90 TTFT and inter-token latency under their targets.
     autoscale: bool = False
     min_replicas: int = 1
     max_replicas: int = 8
     target_ttft_s: float = 1.0
     target_itl_s: float = 0.1
+    #: Prefill + decode replicas together never exceed this: the GPU budget in replicas (8 on one
+    #: 8-GPU node at one GPU per replica). None: only max_replicas per role.
+    max_total_replicas: int | None = None
+    #: A role that scaled up waits this long before scaling up again (its new replica starts and
+    #: the latency windows catch up).
+    upscale_cooldown_s: float = 30.0
+    #: After any change, this long passes before a role scales down or gives a replica away.
+    downscale_cooldown_s: float = 120.0
 
     def __post_init__(self) -> None:
         _positive("prefill_replicas", self.prefill_replicas, allow_zero=True)
         _positive("decode_replicas", self.decode_replicas)
         _positive("max_inflight_requests", self.max_inflight_requests)
+        self._check_autoscale()
+
+    def _check_autoscale(self) -> None:
+        _positive("min_replicas", self.min_replicas)
+        _positive("max_replicas", self.max_replicas)
+        _positive("max_total_replicas", self.max_total_replicas, allow_none=True)
+        _positive("target_ttft_s", self.target_ttft_s)
+        _positive("target_itl_s", self.target_itl_s)
+        _positive("upscale_cooldown_s", self.upscale_cooldown_s, allow_zero=True)
+        _positive("downscale_cooldown_s", self.downscale_cooldown_s, allow_zero=True)
+        if self.max_replicas < self.min_replicas:
+            raise UnsupportedSettingError(
+                f"max_replicas={self.max_replicas} is below min_replicas={self.min_replicas}",
+                param="max_replicas")
+        if not self.autoscale:
+            return
+        roles = {"decode_replicas": self.decode_replicas}
+        if self.prefill_replicas > 0 and self.transfer.backend != "local":  # local: prefill inside decode
+            roles["prefill_replicas"] = self.prefill_replicas
+        for name, count in roles.items():
+            if not self.min_replicas <= count <= self.max_replicas:
+                raise UnsupportedSettingError(
+                    f"with autoscale, {name}={count} must lie in [min_replicas={self.min_replicas}, "
+                    f"max_replicas={self.max_replicas}]", param=name)
+        total = self.max_total_replicas
+        if total is not None and (sum(roles.values()) > total or self.min_replicas * len(roles) > total):
+            raise UnsupportedSettingError(
+                f"max_total_replicas={total} is below the starting replicas ({sum(roles.values())}) or "
+                f"the minimum of every role ({self.min_replicas * len(roles)})", param="max_total_replicas")
 
 
 # --- parsing ------------------------------------------------------------------------------------

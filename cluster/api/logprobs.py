@@ -40,8 +40,10 @@ _UNICODE_TO_BYTE = _gpt2_unicode_to_byte()
 class TokenTexts:
     """Each token's decoded text and raw bytes, cached (logprobs name every token they list)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool = False) -> None:
         self._tokenizer = tokenizer
+        #: Name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids), exact for any vocabulary.
+        self._as_ids = as_ids
         self._byte_level = type(tokenizer.backend.decoder).__name__ == "ByteLevel"
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
@@ -55,6 +57,9 @@ class TokenTexts:
         return self.get(token_id)[0]
 
     def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        if self._as_ids:
+            name = f"token_id:{token_id}"
+            return name, list(name.encode())
         text = self._tokenizer.decode([token_id], skip_special_tokens=False)
         piece = self._tokenizer.id_to_token(token_id) or ""
         raw: list[int] | None = None

@@ -54,6 +54,8 @@ class SamplingFields(_Request):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    #: Name logprob tokens "token_id:<id>" instead of their text (vLLM's extension).
+    return_tokens_as_token_ids: bool = False
     #: Seconds from arrival after which the request is aborted (504); our extension.
     timeout: float | None = None
 

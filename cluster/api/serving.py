@@ -73,6 +73,7 @@ class OpenAIServing:
         self.block_size = block_size
         self.request_timeout_s = request_timeout_s
         self.texts = TokenTexts(client.tokenizer)
+        self.texts_as_ids = TokenTexts(client.tokenizer, as_ids=True)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -85,7 +86,8 @@ class OpenAIServing:
         self.check_model(request.model)
         params = request.to_sampling_params(self.request_timeout_s)
         prompts = self._completion_prompts(request)
-        fmt = CompletionFormat(request_id, int(time.time()), self.model_name, self.texts, request.logprobs)
+        texts = self.texts_as_ids if request.return_tokens_as_token_ids else self.texts
+        fmt = CompletionFormat(request_id, int(time.time()), self.model_name, texts, request.logprobs)
         return await self._serve(request_id, prompts, params, "prompt", fmt, request.stream,
                                  request.include_usage)
 
@@ -98,7 +100,8 @@ class OpenAIServing:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
         prompt = Prompt(tokenizer.encode(text, add_special_tokens=False), text)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
-        fmt = ChatFormat(request_id, int(time.time()), self.model_name, self.texts, num_top)
+        texts = self.texts_as_ids if request.return_tokens_as_token_ids else self.texts
+        fmt = ChatFormat(request_id, int(time.time()), self.model_name, texts, num_top)
         return await self._serve(request_id, [prompt], params, "messages", fmt, request.stream,
                                  request.include_usage)
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,19 +20,28 @@ from cluster.decode.worker import DecodeWorker
 
 logger = logging.getLogger(__name__)
 REPORT_PERIOD_S = 0.5
+#: Seconds of per-request latencies behind the p90s reported to the planner.
+LATENCY_WINDOW_S = 30.0
 
 
 @serve.deployment(name="DecodeServer", max_ongoing_requests=1024)
 class DecodeServer:
-    async def __init__(self, config: ClusterConfig, prefill: Any = None, state: Any = None) -> None:
+    async def __init__(self, config: ClusterConfig, prefill: Any = None, state: Any = None,
+                       local_prefill_factory: Any = None) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.prefill = prefill if config.prefill_replicas > 0 else None
-        ctx = ray.get_runtime_context()
+        self.local_prefill: Any = None
+        prefill_fn = self._call_prefill if self.prefill is not None else None
+        if local_prefill_factory is not None:
+            # kv_transfer=local: a prefill engine in this process (built by the application, since
+            # decode never imports prefill); KV moves by local copies.
+            self.local_prefill = local_prefill_factory(config, engine_id=f"prefill-of-{self.replica_id}")
+            prefill_fn = self.local_prefill.prefill
         self.worker = DecodeWorker(
-            config, engine_id=f"decode-{self.replica_id}",
-            prefill_fn=self._call_prefill if self.prefill is not None else None,
-            node_id=ctx.get_node_id(), transfer_options=_transfer_options(config))
+            config, engine_id=f"decode-{self.replica_id}", prefill_fn=prefill_fn,
+            node_id=ray.get_runtime_context().get_node_id(), transfer_options=_transfer_options(config))
         self.state = state
+        self.ttft, self.itl, self.prefill_queue = LatencyWindow(), LatencyWindow(), LatencyWindow()
         self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
     async def _call_prefill(self, request: PrefillRequest) -> PrefillResult:
@@ -42,20 +54,47 @@ class DecodeServer:
             raise
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        last_token: float | None = None
         async for out in self.worker.generate(request):
+            if out.new_token_ids:
+                last_token = self._observe_latency(request, out, last_token)
             yield out
+
+    def _observe_latency(self, request: GenerateRequest, out: StepOutput, last_token: float | None) -> float:
+        """TTFT from the ingress's arrival time, the gap since the previous output (ITL, one per
+        step as /metrics counts it) and prefill queue time, for the planner."""
+        now = time.time()
+        if last_token is None:
+            self.ttft.add(max(0.0, now - request.arrival_time))
+            if "prefill_queue" in out.timings:
+                self.prefill_queue.add(out.timings["prefill_queue"])
+        else:
+            self.itl.add(now - last_token)
+        return now
 
     async def info(self) -> dict[str, Any]:
         engine = self.worker.engine.engine
         return {"max_model_len": self.worker.max_model_len, "vocab_size": engine.vocab_size}
 
     async def stats(self) -> ReplicaStats:
-        return await self.worker.stats(self.replica_id)
+        s = await self.worker.stats(self.replica_id)
+        s.extra.update(ttft_p90_seconds=self.ttft.p90(), itl_p90_seconds=self.itl.p90(),
+                       prefill_queue_p90_seconds=self.prefill_queue.p90())
+        return s
 
     async def record_routing_stats(self) -> dict[str, Any]:
         s = await self.stats()
         return {"waiting": s.num_requests_waiting, "running": s.num_requests_running,
                 "free_blocks": s.num_free_blocks}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Load and recent latencies for the planner (cluster.router.planner), when autoscaling."""
+        s = await self.stats()
+        return {"num_requests_waiting": float(s.num_requests_waiting),
+                "num_requests_running": float(s.num_requests_running),
+                "kv_cache_usage_perc": float(s.kv_cache_usage_perc),
+                **{key: float(s.extra[key])
+                   for key in ("ttft_p90_seconds", "itl_p90_seconds", "prefill_queue_p90_seconds")}}
 
     async def check_health(self) -> None:
         if self.worker.engine.dead is not None:
@@ -70,12 +109,32 @@ class DecodeServer:
             await asyncio.sleep(REPORT_PERIOD_S)
 
     def __del__(self) -> None:
-        worker = getattr(self, "worker", None)
-        if worker is not None:
-            worker.shutdown()
+        for worker in (getattr(self, "worker", None), getattr(self, "local_prefill", None)):
+            if worker is not None:
+                worker.shutdown()
 
 
 def _transfer_options(config: ClusterConfig) -> dict[str, Any]:
     if config.transfer.backend == "nccl":
         return {"host": ray.util.get_node_ip_address(), "timeout_s": config.transfer.timeout_s}
     return {}
+
+
+class LatencyWindow:
+    """Recent samples of one latency, in seconds: those of the last ``window_s`` (at most
+    ``max_samples``), summarized as a p90 for the planner and /metrics."""
+
+    def __init__(self, window_s: float = LATENCY_WINDOW_S, max_samples: int = 2048) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def add(self, seconds: float, now: float | None = None) -> None:
+        self._samples.append((time.monotonic() if now is None else now, seconds))
+
+    def p90(self, now: float | None = None) -> float:
+        """The 90th percentile (nearest rank) of the window's samples; 0.0 when there are none."""
+        now = time.monotonic() if now is None else now
+        while self._samples and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+        values = sorted(v for _, v in self._samples)
+        return values[math.ceil(0.9 * len(values)) - 1] if values else 0.0

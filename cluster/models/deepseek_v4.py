@@ -9,7 +9,6 @@ residual is ``hc_mult`` streams ``[T, hc_mult, hidden]`` from the embedding to t
 this model's forward. KV state: see ``deepseek_v4_kv``."""
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,17 +24,12 @@ from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head, hc_pos
 from cluster.models.deepseek_v4_moe import DeepseekV4MoE
 from cluster.models.layers import Embedding, Linear
 
-logger = logging.getLogger(__name__)
+def _hc_params(args: DeepseekV4Args, mixes: int) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+    """(fn, base, scale) of one hyper-connection (``mixes = (2 + N) * N``) or hyper head (``N``)."""
+    def param(*shape: int) -> nn.Parameter:
+        return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
 
-
-def _hc_params(module: nn.Module, prefix: str, args: DeepseekV4Args, mixes: int) -> None:
-    n = args.hc_mult
-    module.register_parameter(f"{prefix}_fn", nn.Parameter(
-        torch.empty(mixes, n * args.hidden_size, dtype=torch.float32), requires_grad=False))
-    module.register_parameter(f"{prefix}_base", nn.Parameter(torch.empty(mixes, dtype=torch.float32),
-                                                             requires_grad=False))
-    module.register_parameter(f"{prefix}_scale", nn.Parameter(
-        torch.empty(3 if mixes > n else 1, dtype=torch.float32), requires_grad=False))
+    return param(mixes, args.hc_mult * args.hidden_size), param(mixes), param(3 if mixes > args.hc_mult else 1)
 
 
 class DeepseekV4Block(nn.Module):
@@ -50,8 +44,8 @@ class DeepseekV4Block(nn.Module):
         self.attn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         mixes = (2 + args.hc_mult) * args.hc_mult
-        _hc_params(self, "hc_attn", args, mixes)
-        _hc_params(self, "hc_ffn", args, mixes)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_params(args, mixes)
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(args, mixes)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext, rope: V4Rope) -> torch.Tensor:
         """``x [T, hc_mult, hidden]`` -> the same."""
@@ -78,7 +72,7 @@ class DeepseekV4MTPLayer(DeepseekV4Block):
         self.enorm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.hnorm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
-        _hc_params(self, "hc_head", args, args.hc_mult)
+        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(args, args.hc_mult)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -93,7 +87,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             DeepseekV4Block(args, kind, args.hash_layers[i], self.kv_layout[i], dtype)
             for i, kind in enumerate(args.layer_types))
         self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
-        _hc_params(self, "hc_head", args, args.hc_mult)
+        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(args, args.hc_mult)
         self.head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, dtype)
         self.mtp = nn.ModuleList(DeepseekV4MTPLayer(args, kind, dtype) for kind in args.mtp_layer_types)
         self.rope = V4Rope(args)

@@ -43,8 +43,8 @@ class RopeArgs:
         def correction_dim(rotations: float) -> float:
             return rope_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
 
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+        low = float(max(math.floor(correction_dim(beta_fast)), 0))
+        high = float(min(math.ceil(correction_dim(beta_slow)), rope_dim - 1))
         if low == high:
             high += 0.001
         ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -33,6 +33,9 @@ class V4Rope(nn.Module):
     """cos/sin tables of the ``main`` RoPE (sliding-only layers) and the ``compress`` RoPE
     (compressed layers, their compressors and indexer; YaRN applies to it only)."""
 
+    main_inv_freq: torch.Tensor
+    compress_inv_freq: torch.Tensor
+
     def __init__(self, args: DeepseekV4Args) -> None:
         super().__init__()
         self.register_buffer("main_inv_freq", args.main_rope.inv_freq(args.rope_dim), persistent=False)

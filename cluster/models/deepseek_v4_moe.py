@@ -12,23 +12,12 @@ from torch import nn
 from cluster.models.deepseek_v4_config import DeepseekV4Args
 from cluster.models.layers import Linear
 from kernels.activation import silu_and_mul_ref
-
-try:  # the kernels package's reference, when present
-    from kernels.moe import fused_moe_ref  # type: ignore[import-not-found,unused-ignore]
-except ImportError:
-    def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
-        """``x [T, H]`` through each token's experts ``topk_ids [T, k]``, weighted by ``topk_weights``."""
-        out = torch.zeros_like(x)
-        for expert in torch.unique(topk_ids).tolist():
-            token, slot = torch.where(topk_ids == expert)
-            h = silu_and_mul_ref(nn.functional.linear(x[token], w13[expert]), clamp)
-            h = nn.functional.linear(h, w2[expert]) * topk_weights[token, slot, None].to(x.dtype)
-            out.index_add_(0, token, h.to(out.dtype))
-        return out
+from kernels.moe import fused_moe_ref
 
 
 class Gate(nn.Module):
+    tid2eid: torch.Tensor
+
     def __init__(self, args: DeepseekV4Args, hash_routed: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.top_k, self.scoring = args.num_experts_per_tok, args.scoring_func

@@ -28,9 +28,10 @@ SCALE_SUFFIXES = ("scale", "weight_scale_inv", "weight_scale", "weight_scale_2",
 PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PACKED_DTYPES = (torch.int8, torch.uint8)
 E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
-_EXPERT_DTYPES = {None: "plain", "bf16": "plain", "fp8": "fp8_block", "fp4": "mxfp4", "mxfp4": "mxfp4",
-                  "nvfp4": "nvfp4"}
-_MODELOPT_ALGOS = {"NVFP4": "nvfp4", "MXFP4": "mxfp4", "FP8_BLOCK": "fp8_block"}
+#: ``expert_dtype`` values (DeepSeek's "fp4" is MXFP4) -> the routed experts' format.
+_EXPERT_DTYPES: dict[str | None, str] = {None: "plain", "bf16": "plain", "fp8": "fp8_block", "fp4": "mxfp4",
+                                         "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
+_MODELOPT_ALGOS = {"NVFP4": "nvfp4", "MXFP4": "mxfp4"}
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def _modelopt_formats(qc: dict[str, Any]) -> set[str]:
     if unknown:
         raise ModelLoadError(f"unknown quantization format {', '.join(unknown)} (modelopt quant_algo); "
                              f"supported: {', '.join(_MODELOPT_ALGOS)}, MIXED_PRECISION")
-    return {_MODELOPT_ALGOS[a] for a in algos}
+    return {_MODELOPT_ALGOS[str(a)] for a in algos}
 
 
 def is_complete(parts: dict[str, torch.Tensor]) -> bool:
@@ -102,7 +103,7 @@ def is_complete(parts: dict[str, torch.Tensor]) -> bool:
     return any(k in parts for k in ("scale", "weight_scale_inv", "weight_scale"))
 
 
-def to_quantized(name: str, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> QuantizedWeight:
+def to_quantized(name: str, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> QuantizedWeight:
     """``parts`` (suffix -> tensor) of checkpoint weight ``name`` (``<base>.weight``) -> its weight
     of logical ``shape [N, K]``; raises ModelLoadError naming the tensor and the format on anything
     that does not fit."""
@@ -129,7 +130,7 @@ def to_quantized(name: str, parts: dict[str, torch.Tensor], shape: tuple[int, in
                          "(plain bf16/fp16/fp32, fp8_block, mxfp4, nvfp4)")
 
 
-def _fp4(name: str, packed: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> QuantizedWeight:
+def _fp4(name: str, packed: torch.Tensor, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> QuantizedWeight:
     logical = (packed.shape[0], packed.shape[1] * 2)
     if "weight_scale_2" in parts:
         fmt, group, scale = "nvfp4", NVFP4_GROUP, parts.get("weight_scale")

@@ -114,7 +114,7 @@ class _Loader:
                                      f"with {sorted(parts)}")
             self._copy(raw, name, weight, target.dest)
             return
-        quantized = to_quantized(raw, parts, tuple(target.dest.shape))  # type: ignore[arg-type]
+        quantized = to_quantized(raw, parts, tuple(target.dest.shape))
         target.dest.copy_(dequantize(quantized, target.dest.dtype))
         self.loaded.add(name)
 

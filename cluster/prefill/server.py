@@ -38,6 +38,13 @@ class PrefillServer:
         return {"waiting": s.num_requests_waiting, "running": s.num_requests_running,
                 "free_blocks": s.num_free_blocks}
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Load for the planner (cluster.router.planner), when the deployment autoscales."""
+        s = await self.stats()
+        return {"num_requests_waiting": float(s.num_requests_waiting),
+                "num_requests_running": float(s.num_requests_running),
+                "kv_cache_usage_perc": float(s.kv_cache_usage_perc)}
+
     def inject_transfer_failures(self, count: int) -> None:
         """Test hook: fail the next ``count`` KV writes of this replica."""
         self.worker.backend.inject_failures = count

@@ -12,7 +12,7 @@ from cluster.common.messages import ReplicaStats
 
 
 @serve.deployment(name="ClusterState", num_replicas=1, max_ongoing_requests=1000,
-                  ray_actor_options={"num_cpus": 0})
+                  ray_actor_options={"num_cpus": 0}, logging_config={"enable_access_log": False})
 class ClusterState:
     def __init__(self, stale_after_s: float = 10.0) -> None:
         self.stale_after_s = stale_after_s

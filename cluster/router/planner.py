@@ -1,0 +1,410 @@
+"""The planner: scales prefill and decode replicas separately so that p90 time to first token
+(TTFT) and inter-token latency (ITL) stay under their targets at the fewest GPUs, moving replicas
+between the two roles when they share a GPU budget (``max_total_replicas``).
+
+The core, ``plan``, is pure (observations, settings and cooldown state in; replica counts and new
+state out) and needs no Ray. Two Ray Serve adapters call it:
+- ``plan_application``, the application-level autoscaling policy (Ray >= 2.60: a function from
+  ``{DeploymentID: AutoscalingContext}`` to ``({DeploymentID: replicas}, {DeploymentID: state})``).
+  Ray takes application-level policies only from a Serve config file::
+
+      applications:
+      - import_path: cluster.app
+        args: {autoscale: true, max_total_replicas: 8}
+        autoscaling_policy: {policy_function: cluster.router.planner:plan_application}
+
+- ``plan_deployment``, the deployment-level policy that ``deployment_scaling`` gives both roles; Ray
+  uses it when no application-level policy is set (``serve run cluster.app autoscale=true``). Each
+  role then scales alone within a fixed share of the budget, and prefill sees only its queue.
+``deployment_scaling`` also carries the settings to both adapters, as the policy's kwargs.
+
+Replicas report their load through ``record_autoscaling_stats`` (the metric names below); decode
+replicas also report recent p90 TTFT, ITL and prefill queue time. Each signal over its target is
+a *pressure*; above 1 a role misses its target:
+- prefill: queue time / (prefill_queue_share x target TTFT), requests waiting per replica /
+  max_waiting_per_replica, and TTFT / target TTFT unless decode is over its own target;
+- decode: ITL / target ITL, KV cache usage / high_kv_usage, requests waiting per replica, and
+  TTFT / target TTFT when decode is over its own target (its admission then delays first tokens).
+
+Rules: (1) hold a role that has not reported or whose new replicas are still starting; (2) a role
+over its target grows (at most doubling) unless it grew within upscale_cooldown_s; (3) over the
+budget, the other role gives replicas (at most half of its own) if it did not grow within
+downscale_cooldown_s and its pressure, spread over fewer replicas, stays under donor_headroom; the
+rest of the growth is cut;
+(4) when no role is over and nothing changed within downscale_cooldown_s, the role with the most
+slack (pressure under ``slack``, same prediction as 3) gives back one replica."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.config import AutoscalingContext
+
+    from cluster.config import ClusterConfig
+
+logger = logging.getLogger("ray.serve")
+
+Role = Literal["prefill", "decode"]
+#: Serve deployment name -> role.
+DEPLOYMENTS: dict[str, Role] = {"PrefillServer": "prefill", "DecodeServer": "decode"}
+#: Metrics every replica reports through ``record_autoscaling_stats``.
+WAITING, RUNNING, KV_USAGE = "num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"
+#: Metrics decode replicas add: recent p90s, in seconds (0 when there were no samples).
+TTFT, ITL, PREFILL_QUEUE = "ttft_p90_seconds", "itl_p90_seconds", "prefill_queue_p90_seconds"
+#: Key of the planner's state in each deployment's Ray policy state.
+STATE_KEY = "pd_planner"
+#: Ray averages each replica's reports over this window.
+LOOK_BACK_S = 20.0
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    target_ttft_s: float = 1.0
+    target_itl_s: float = 0.1
+    min_prefill: int = 1
+    max_prefill: int = 8
+    min_decode: int = 1
+    max_decode: int = 8
+    #: Prefill + decode replicas together; None: no joint cap.
+    max_total_replicas: int | None = None
+    upscale_cooldown_s: float = 30.0
+    downscale_cooldown_s: float = 120.0
+    #: Starting replicas; they set each role's fixed share of the budget in plan_deployment.
+    initial_prefill: int = 1
+    initial_decode: int = 1
+    #: False: no prefill role (decode prefills every prompt and owns TTFT).
+    has_prefill: bool = True
+    high_kv_usage: float = 0.9
+    max_waiting_per_replica: float = 8.0
+    #: Share of the TTFT target that prefill queueing may use.
+    prefill_queue_share: float = 0.5
+    #: A role scales down only under this pressure...
+    slack: float = 0.5
+    #: ...and gives or sheds replicas only if its pressure over fewer replicas stays under this.
+    donor_headroom: float = 0.8
+
+    def bounds(self, role: Role) -> tuple[int, int]:
+        return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
+
+    def share(self, role: Role) -> int:
+        """The most replicas ``role`` may hold when the roles do not trade (plan_deployment)."""
+        high = self.bounds(role)[1]
+        if self.max_total_replicas is None:
+            return high
+        initial = self.initial_prefill if role == "prefill" else self.initial_decode
+        total = self.initial_decode + (self.initial_prefill if self.has_prefill else 0)
+        return min(high, self.max_total_replicas * initial // total)
+
+    @classmethod
+    def from_config(cls, config: ClusterConfig) -> PlannerSettings:
+        return cls(target_ttft_s=config.target_ttft_s, target_itl_s=config.target_itl_s,
+                   min_prefill=config.min_replicas, max_prefill=config.max_replicas,
+                   min_decode=config.min_replicas, max_decode=config.max_replicas,
+                   max_total_replicas=config.max_total_replicas,
+                   upscale_cooldown_s=config.upscale_cooldown_s, downscale_cooldown_s=config.downscale_cooldown_s,
+                   initial_prefill=config.prefill_replicas, initial_decode=config.decode_replicas,
+                   has_prefill=config.prefill_replicas > 0 and config.transfer.backend != "local")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> PlannerSettings:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in kwargs.items() if k in names})
+
+
+@dataclass(frozen=True)
+class RoleLoad:
+    """One role's load: means per reporting replica, KV usage of the fullest replica."""
+
+    #: Replicas the role is meant to have now (the count a decision changes).
+    replicas: int
+    #: Replicas running now; fewer than ``replicas`` while new ones start.
+    ready_replicas: int | None = None
+    #: False until some replica of the role has reported.
+    reported: bool = True
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+
+    @property
+    def starting(self) -> bool:
+        return self.ready_replicas is not None and self.ready_replicas < self.replicas
+
+
+@dataclass(frozen=True)
+class Observation:
+    decode: RoleLoad
+    #: None: the application has no prefill role.
+    prefill: RoleLoad | None = None
+    #: Recent p90s in seconds, as decode replicas measure them (0: no samples).
+    ttft_s: float = 0.0
+    itl_s: float = 0.0
+    prefill_queue_s: float = 0.0
+
+    def loads(self) -> dict[Role, RoleLoad]:
+        if self.prefill is None:
+            return {"decode": self.decode}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    """When each role last grew and shrank (seconds, the clock of ``now``; None: never)."""
+
+    prefill_up: float | None = None
+    prefill_down: float | None = None
+    decode_up: float | None = None
+    decode_down: float | None = None
+
+    def last_up(self, role: Role) -> float | None:
+        return self.prefill_up if role == "prefill" else self.decode_up
+
+    def last_change(self) -> float | None:
+        times = [t for t in dataclasses.astuple(self) if t is not None]
+        return max(times) if times else None
+
+    def changed(self, role: Role, delta: int, now: float) -> PlannerState:
+        if delta == 0:
+            return self
+        return dataclasses.replace(self, **{f"{role}_{'up' if delta > 0 else 'down'}": now})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> PlannerState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in (data or {}).items() if k in names})
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: dict[Role, int]
+    state: PlannerState
+    #: Pressure per role (None: no data), for logs and tests.
+    pressure: dict[Role, float | None]
+    #: What changed and why; empty when nothing did.
+    reason: str = ""
+
+
+# --- the core -----------------------------------------------------------------------------------
+
+def pressures(obs: Observation, s: PlannerSettings) -> dict[Role, float | None]:
+    ttft = obs.ttft_s / s.target_ttft_s
+    d = obs.decode
+    decode = max(obs.itl_s / s.target_itl_s, d.kv_usage / s.high_kv_usage,
+                 d.waiting / s.max_waiting_per_replica) if d.reported else None
+    if obs.prefill is None:
+        return {"decode": None if decode is None else max(decode, ttft)}
+    p = obs.prefill
+    prefill = max(obs.prefill_queue_s / (s.prefill_queue_share * s.target_ttft_s),
+                  p.waiting / s.max_waiting_per_replica) if p.reported else None
+    if decode is not None and decode > 1.0:
+        decode = max(decode, ttft)
+    elif prefill is not None:
+        prefill = max(prefill, ttft)
+    return {"prefill": prefill, "decode": decode}
+
+
+def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) -> Decision:
+    """Desired replicas per role for this observation (see the module docstring for the rules)."""
+    loads = obs.loads()
+    pressure = pressures(obs, s)
+    want = {role: _clamp(load.replicas, s.bounds(role)) for role, load in loads.items()}
+    notes: list[str] = []
+    for role, load in loads.items():
+        p = pressure[role]
+        cooled = _since(state.last_up(role), now) >= s.upscale_cooldown_s
+        if p is not None and p > 1.0 and not load.starting and cooled:
+            step = max(1, math.ceil(load.replicas * min(p - 1.0, 1.0)))
+            want[role] = min(s.bounds(role)[1], max(want[role], load.replicas + step))
+    notes += _fit_budget(want, loads, pressure, state, s, now)
+    nothing_over = all(p is None or p <= 1.0 for p in pressure.values())
+    if (nothing_over and all(want[r] == loads[r].replicas for r in loads)
+            and _since(state.last_change(), now) >= s.downscale_cooldown_s):
+        idle = [r for r in loads if _has_slack(r, loads[r], pressure[r], state, s, now)]
+        if idle:
+            role = min(idle, key=lambda r: pressure[r] or 0.0)
+            want[role] -= 1
+            notes.append(f"{role} has slack")
+    new_state = state
+    changes = []
+    for role, load in loads.items():
+        new_state = new_state.changed(role, want[role] - load.replicas, now)
+        if want[role] != load.replicas:
+            changes.append(f"{role} {load.replicas}->{want[role]} (pressure {_fmt(pressure[role])})")
+    reason = "; ".join(changes + notes) if changes else ""
+    return Decision(want, new_state, pressure, reason)
+
+
+def _fit_budget(want: dict[Role, int], loads: dict[Role, RoleLoad], pressure: dict[Role, float | None],
+                state: PlannerState, s: PlannerSettings, now: float) -> list[str]:
+    """Bring ``want`` within max_total_replicas: donors first, then cut growth, lowest pressure first."""
+    budget = s.max_total_replicas
+    if budget is None or sum(want.values()) <= budget:
+        return []
+    notes = []
+    growing = sorted((r for r in want if want[r] > loads[r].replicas), key=lambda r: -(pressure[r] or 0.0))
+    for role in growing:
+        other: Role = "decode" if role == "prefill" else "prefill"
+        if other not in want or want[other] != loads[other].replicas:
+            continue
+        most = min(sum(want.values()) - budget, max(1, loads[other].replicas // 2))  # half at a time
+        give = next((k for k in range(most, 0, -1)
+                     if _can_give(other, k, loads[other], pressure[other], state, s, now)), 0)
+        if give:
+            want[other] -= give
+            notes.append(f"{other} gives {give} to {role}")
+    by_pressure = sorted(want, key=lambda r: pressure[r] or 0.0)
+    for floor in ({r: loads[r].replicas for r in want}, {r: s.bounds(r)[0] for r in want}):
+        for role in by_pressure:
+            excess = sum(want.values()) - budget
+            if excess > 0:
+                want[role] -= min(excess, max(0, want[role] - floor[role]))
+    return notes
+
+
+def _can_give(role: Role, k: int, load: RoleLoad, pressure: float | None, state: PlannerState,
+              s: PlannerSettings, now: float) -> bool:
+    """Whether ``role`` can lose ``k`` replicas and, with its load spread over the rest, stay under
+    donor_headroom; never a role that grew within downscale_cooldown_s (no flapping)."""
+    n = load.replicas
+    return (pressure is not None and not load.starting and n - k >= s.bounds(role)[0]
+            and _since(state.last_up(role), now) >= s.downscale_cooldown_s
+            and pressure * n / (n - k) <= s.donor_headroom)
+
+
+def _has_slack(role: Role, load: RoleLoad, pressure: float | None, state: PlannerState,
+               s: PlannerSettings, now: float) -> bool:
+    return pressure is not None and pressure < s.slack and _can_give(role, 1, load, pressure, state, s, now)
+
+
+def _since(t: float | None, now: float) -> float:
+    return math.inf if t is None else now - t
+
+
+def _clamp(n: int, bounds: tuple[int, int]) -> int:
+    return max(bounds[0], min(bounds[1], n))
+
+
+def _fmt(p: float | None) -> str:
+    return "unknown" if p is None else f"{p:.2f}"
+
+
+# --- Ray Serve adapters --------------------------------------------------------------------------
+
+def plan_application(contexts: dict[DeploymentID, AutoscalingContext]
+                     ) -> tuple[dict[DeploymentID, int], dict[DeploymentID, dict[str, Any]]]:
+    """Application-level policy: both roles planned together, trading replicas at the budget."""
+    roles = {DEPLOYMENTS[c.deployment_name]: c for c in contexts.values() if c.deployment_name in DEPLOYMENTS}
+    decode = roles.get("decode")
+    if decode is None:
+        return {}, {}
+    settings = _settings(roles)
+    prefill: RoleLoad | None = None
+    if "prefill" in roles:
+        prefill = role_load(roles["prefill"])
+    elif settings.has_prefill:  # not deployed yet: hold it
+        prefill = RoleLoad(settings.min_prefill, reported=False)
+    obs = Observation(decode=role_load(decode), prefill=prefill, **_latencies(decode))
+    state = PlannerState.from_dict(next((c.policy_state.get(STATE_KEY) for c in roles.values()
+                                         if c.policy_state.get(STATE_KEY)), None))
+    decision = plan(obs, settings, state, _now(decode))
+    if decision.reason:
+        logger.info("planner: %s", decision.reason)
+    saved = {STATE_KEY: dataclasses.asdict(decision.state)}
+    return ({c.deployment_id: decision.replicas[r] for r, c in roles.items()},
+            {c.deployment_id: dict(saved) for c in roles.values()})
+
+
+def plan_deployment(ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
+    """Deployment-level policy: one role alone, within its fixed share of the budget."""
+    role = DEPLOYMENTS.get(ctx.deployment_name)
+    if role is None:
+        return ctx.target_num_replicas, {}
+    settings = _settings({role: ctx})
+    if settings.max_total_replicas is not None:
+        budget = settings.share(role) + _other_min(role, settings)
+        settings = dataclasses.replace(settings, max_total_replicas=budget)
+    other = RoleLoad(_other_min(role, settings), reported=False)
+    load = role_load(ctx)
+    if role == "prefill":
+        obs = Observation(decode=other, prefill=load)
+    else:
+        obs = Observation(decode=load, prefill=other if settings.has_prefill else None, **_latencies(ctx))
+    saved = dict(ctx.policy_state.get(STATE_KEY) or {})
+    if not saved.pop("warned", False):
+        logger.warning("planner: no application-level policy, so %s scales alone within %d replicas; name "
+                       "cluster.router.planner:plan_application in the Serve config's autoscaling_policy to "
+                       "move replicas between prefill and decode", role, settings.share(role))
+    decision = plan(obs, settings, PlannerState.from_dict(saved), _now(ctx))
+    if decision.reason:
+        logger.info("planner (%s alone): %s", role, decision.reason)
+    return decision.replicas[role], {STATE_KEY: {**dataclasses.asdict(decision.state), "warned": True}}
+
+
+def role_load(ctx: AutoscalingContext) -> RoleLoad:
+    """A role's load from its replicas' reports, averaged by Ray over the look-back window."""
+    metrics = ctx.aggregated_metrics or {}
+    waiting = list((metrics.get(WAITING) or {}).values())
+    ready = ctx.current_num_replicas
+    queued = float(ctx.total_queued_requests or 0.0)  # at handles, not yet on a replica
+    return RoleLoad(replicas=ctx.target_num_replicas, ready_replicas=ready, reported=bool(waiting),
+                    waiting=_mean(waiting) + queued / max(1, ready),
+                    running=_mean(list((metrics.get(RUNNING) or {}).values())),
+                    kv_usage=max((metrics.get(KV_USAGE) or {}).values(), default=0.0))
+
+
+def _latencies(decode: AutoscalingContext) -> dict[str, float]:
+    """The worst decode replica's recent p90s."""
+    metrics = decode.aggregated_metrics or {}
+    return {field: max((metrics.get(name) or {}).values(), default=0.0)
+            for field, name in (("ttft_s", TTFT), ("itl_s", ITL), ("prefill_queue_s", PREFILL_QUEUE))}
+
+
+def _settings(roles: dict[Role, AutoscalingContext]) -> PlannerSettings:
+    """Settings from the policy kwargs that deployment_scaling set; bounds from Ray's (capacity-adjusted) ones."""
+    kwargs: dict[str, Any] = {}
+    for ctx in roles.values():
+        policy = getattr(ctx.config, "policy", None)
+        kwargs = dict(getattr(policy, "policy_kwargs", None) or {}) or kwargs
+    settings = PlannerSettings.from_kwargs(kwargs)
+    for role, ctx in roles.items():
+        settings = dataclasses.replace(settings, **{f"min_{role}": ctx.capacity_adjusted_min_replicas,
+                                                    f"max_{role}": ctx.capacity_adjusted_max_replicas})
+    return settings
+
+
+def _other_min(role: Role, s: PlannerSettings) -> int:
+    if role == "decode":
+        return s.min_prefill if s.has_prefill else 0
+    return s.min_decode
+
+
+def _now(ctx: AutoscalingContext) -> float:
+    return ctx.current_time if ctx.current_time is not None else time.time()
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+# --- wiring (build_app) ---------------------------------------------------------------------------
+
+def deployment_scaling(config: ClusterConfig, role: Role) -> dict[str, Any]:
+    """A role deployment's sizing ``.options``: a fixed ``num_replicas``, or with ``autoscale`` an
+    autoscaling config whose deployment-level policy is plan_deployment, whose kwargs carry the
+    planner's settings (plan_application reads them too), and whose own delays are off (the
+    planner's cooldowns pace it; Ray's per-deployment delays would split a move between roles)."""
+    initial = config.prefill_replicas if role == "prefill" else config.decode_replicas
+    if not config.autoscale:
+        return {"num_replicas": initial}
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
+
+    policy = AutoscalingPolicy(policy_function="cluster.router.planner:plan_deployment",
+                               policy_kwargs=dataclasses.asdict(PlannerSettings.from_config(config)))
+    return {"autoscaling_config": AutoscalingConfig(
+        min_replicas=config.min_replicas, max_replicas=config.max_replicas, initial_replicas=initial,
+        upscale_delay_s=0.0, downscale_delay_s=0.0, look_back_period_s=LOOK_BACK_S, policy=policy)}

@@ -1,0 +1,82 @@
+"""A local Ray instance shared by the end-to-end tests, and helpers to deploy the application
+with given settings and talk to it over HTTP."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import pytest
+
+try:
+    import httpx
+except ImportError:  # openai >= 3 ships httpx2
+    import httpx2 as httpx  # type: ignore[no-redef]
+
+from tests.factories import make_checkpoint
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.settings: dict[str, Any] | None = None
+
+    def deploy(self, settings: dict[str, Any]) -> None:
+        from ray import serve
+
+        from cluster.application import build_app
+        if settings == self.settings:
+            return
+        serve.run(build_app(settings), name="cluster", route_prefix="/")
+        self.settings = dict(settings)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the application did not become healthy")
+
+    def metric(self, name: str, **labels: str) -> list[float]:
+        """Values of a metric's samples whose labels include ``labels``."""
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        values = []
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    values.append(sample.value)
+        return values
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("e2e-llama"))
+    make_checkpoint(path, "llama", seed=11, max_position_embeddings=1024)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    import ray
+    from ray import serve
+    port = free_port()
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield Cluster(port)
+    serve.shutdown()
+    ray.shutdown()

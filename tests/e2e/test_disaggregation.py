@@ -1,0 +1,74 @@
+"""Through the HTTP API of the real Ray Serve application: disaggregated output equals
+``LLM.generate`` token for token, for every KV transfer backend, with conditional disaggregation
+on and off, greedy and seeded."""
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from cluster import LLM, SamplingParams
+from tests.factories import mixed_prompts
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 12
+
+
+def prompts() -> list[list[int]]:
+    """24 prompts: short and long (many blocks), several sharing a long prefix."""
+    base = mixed_prompts(300, (2, 4, 7, 12, 17, 23, 31, 40, 55, 70), seed=21)
+    shared = base[-1]
+    return base + [shared + p[:6] for p in base[:10]] + mixed_prompts(300, (9, 26, 48, 63), seed=22)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    llm = LLM(model_dir, block_size=16)
+    greedy = llm.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    seeded = llm.generate(prompts(), SamplingParams(temperature=0.8, top_p=0.95, seed=1234,
+                                                    max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in greedy], [o.outputs[0].token_ids for o in seeded]
+
+
+async def run_concurrently(base_url: str, model: str, extra: dict, concurrency: int = 8) -> list[list[int]]:
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: list[int]) -> list[int]:
+        async with sem:
+            resp = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, logprobs=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                **extra)
+            return token_ids_of(resp)
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts()))
+    finally:
+        await client.close()
+
+
+def token_ids_of(resp) -> list[int]:
+    """Token ids from the completion's logprobs (named 'token_id:<id>' with return_tokens_as_token_ids)."""
+    return [int(t.split(":", 1)[1]) for t in resp.choices[0].logprobs.tokens]
+
+
+def model_name(model_dir: str) -> str:
+    import os
+    return os.path.basename(model_dir.rstrip("/"))
+
+
+@pytest.mark.parametrize("backend", ["ipc", "nccl", "nixl", "local"])
+@pytest.mark.parametrize("conditional", [False, True], ids=["all-remote", "short-local"])
+def test_disaggregated_equals_colocated(cluster, model_dir, expected, backend, conditional):
+    cluster.deploy({"model": model_dir, "kv_transfer": backend,
+                    "local_prefill_threshold": 10 if conditional else 0})
+    greedy = asyncio.run(run_concurrently(cluster.base_url, model_name(model_dir), {"temperature": 0.0}))
+    assert greedy == expected[0]
+    if backend == "ipc":
+        seeded = asyncio.run(run_concurrently(cluster.base_url, model_name(model_dir),
+                                              {"temperature": 0.8, "top_p": 0.95, "seed": 1234}))
+        assert seeded == expected[1]
+    transferred = cluster.metric("cluster:kv_transfer_bytes_total", role="prefill")
+    if backend != "local":
+        assert sum(transferred) > 0
