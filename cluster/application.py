@@ -37,6 +37,7 @@ def resolve_num_gpus(config: ClusterConfig) -> float:
 
 def build_app(args: dict[str, Any] | None = None) -> Any:
     config = parse_cluster_args(dict(args or {}))
+    _apply_http_options(config)
     load_tokenizer(config.model.model)  # a missing model or tokenizer stops start-up here, by name
     gpus = resolve_num_gpus(config)
     if config.model.device and config.model.device.startswith("cuda") and gpus == 0:
@@ -60,6 +61,17 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     logger.info("pd-cluster: %d prefill + %d decode replicas of %s, kv_transfer=%s, %s GPU(s) each",
                 config.prefill_replicas, config.decode_replicas, config.model.model, config.transfer.backend, gpus)
     return Ingress.bind(config, decode, state)
+
+
+def _apply_http_options(config: ClusterConfig) -> None:
+    """``serve run cluster.app host=... port=...``: start Serve's HTTP proxy there. Only from a
+    driver (a Serve config file sets http_options itself, and builds the app inside the cluster)."""
+    if (config.host, config.port) == ("127.0.0.1", 8000):
+        return
+    import ray
+    if ray.is_initialized() and ray.get_runtime_context().worker.mode != ray.SCRIPT_MODE:
+        return
+    serve.start(http_options={"host": config.host, "port": config.port})
 
 
 def run(args: dict[str, Any] | None = None, *, blocking: bool = False, name: str = "cluster") -> Any:

@@ -21,16 +21,26 @@ from cluster.kv_transfer.base import BlockCopy, KVTransferBackend, PeerCache, Tr
 logger = logging.getLogger(__name__)
 
 
+def _import_nixl() -> tuple[Any, Any]:
+    """NIXL's agent classes from the meta package or either CUDA build (the CUDA-12 build also
+    serves CPU-only machines)."""
+    import importlib
+    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            api = importlib.import_module(module)
+        except ImportError:
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    raise KVTransferError("kv_transfer=nixl needs NIXL: pip install nixl (or nixl-cu12)")
+
+
 class NIXLBackend(KVTransferBackend):
     name = "nixl"
 
     def __init__(self, kv_caches: list[torch.Tensor], specs: list[KVGroupSpec], engine_id: str,
                  node_id: str = "", timeout_s: float = 60.0) -> None:
         super().__init__(kv_caches, specs, engine_id, node_id)
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise KVTransferError("kv_transfer=nixl needs the nixl package (pip install nixl)") from exc
+        nixl_agent, nixl_agent_config = _import_nixl()
         self.timeout_s = timeout_s
         self.agent_name = f"{engine_id}-{self.generation[:8]}"
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))

@@ -325,9 +325,9 @@ def plan_deployment(ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
     if role is None:
         return ctx.target_num_replicas, {}
     settings = _settings({role: ctx})
+    share = settings.share(role)
     if settings.max_total_replicas is not None:
-        budget = settings.share(role) + _other_min(role, settings)
-        settings = dataclasses.replace(settings, max_total_replicas=budget)
+        settings = dataclasses.replace(settings, max_total_replicas=share + _other_min(role, settings))
     other = RoleLoad(_other_min(role, settings), reported=False)
     load = role_load(ctx)
     if role == "prefill":
@@ -338,7 +338,7 @@ def plan_deployment(ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
     if not saved.pop("warned", False):
         logger.warning("planner: no application-level policy, so %s scales alone within %d replicas; name "
                        "cluster.router.planner:plan_application in the Serve config's autoscaling_policy to "
-                       "move replicas between prefill and decode", role, settings.share(role))
+                       "move replicas between prefill and decode", role, share)
     decision = plan(obs, settings, PlannerState.from_dict(saved), _now(ctx))
     if decision.reason:
         logger.info("planner (%s alone): %s", role, decision.reason)

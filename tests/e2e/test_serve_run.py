@@ -1,0 +1,70 @@
+"""The README's run command as an operator types it: ``serve run cluster.app`` with no arguments
+serves the embedded default model (SmolLM2) disaggregated on this CPU machine at
+127.0.0.1:8000, and answers the official openai client."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from tests.e2e.conftest import httpx
+
+pytestmark = pytest.mark.e2e
+BASE = "http://127.0.0.1:8000"
+
+
+@pytest.fixture(scope="module")
+def served():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)  # a fresh local Ray instance, as on an operator's machine
+    serve_cli = shutil.which("serve") or os.path.join(os.path.dirname(sys.executable), "serve")
+    proc = subprocess.Popen([serve_cli, "run", "cluster.app"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"serve run exited:\n{proc.stdout.read() if proc.stdout else ''}")
+            try:
+                if httpx.get(f"{BASE}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            raise AssertionError("serve run cluster.app did not become healthy in 300 s")
+        yield proc
+    finally:
+        _signal(proc, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _signal(proc, signal.SIGKILL)
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def test_default_app_answers_the_openai_client(served):
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="none")
+    models = [m.id for m in client.models.list().data]
+    assert models == ["SmolLM2-135M-Instruct"]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(model=models[0], messages=question, temperature=0, max_tokens=20)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens > 0
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model=models[0], messages=question, temperature=0, max_tokens=20, stream=True) if chunk.choices)
+    assert streamed == reply.choices[0].message.content
+    backends = httpx.get(f"{BASE}/v1/backends", timeout=10).json()
+    assert {b["role"] for b in backends} >= {"prefill", "decode"}
