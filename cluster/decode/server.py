@@ -91,7 +91,6 @@ class DecodeServer:
         """Load and recent latencies for the planner (cluster.router.planner), when autoscaling."""
         s = await self.stats()
         return {"num_requests_waiting": float(s.num_requests_waiting),
-                "num_requests_running": float(s.num_requests_running),
                 "kv_cache_usage_perc": float(s.kv_cache_usage_perc),
                 **{key: float(s.extra[key])
                    for key in ("ttft_p90_seconds", "itl_p90_seconds", "prefill_queue_p90_seconds")}}

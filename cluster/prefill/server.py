@@ -42,7 +42,6 @@ class PrefillServer:
         """Load for the planner (cluster.router.planner), when the deployment autoscales."""
         s = await self.stats()
         return {"num_requests_waiting": float(s.num_requests_waiting),
-                "num_requests_running": float(s.num_requests_running),
                 "kv_cache_usage_perc": float(s.kv_cache_usage_perc)}
 
     def inject_transfer_failures(self, count: int) -> None:

@@ -31,8 +31,9 @@ over its target grows (at most doubling) unless it grew within upscale_cooldown_
 budget, the other role gives replicas (at most half of its own) if it did not grow within
 downscale_cooldown_s and its pressure, spread over fewer replicas, stays under donor_headroom; the
 rest of the growth is cut;
-(4) when no role is over and nothing changed within downscale_cooldown_s, the role with the most
-slack (pressure under ``slack``, same prediction as 3) gives back one replica."""
+(4) when no role is over, TTFT and ITL meet their targets and nothing changed within
+downscale_cooldown_s, the role with the most slack (pressure under ``slack``, same prediction as
+3) gives back one replica."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,7 +55,7 @@ Role = Literal["prefill", "decode"]
 #: Serve deployment name -> role.
 DEPLOYMENTS: dict[str, Role] = {"PrefillServer": "prefill", "DecodeServer": "decode"}
 #: Metrics every replica reports through ``record_autoscaling_stats``.
-WAITING, RUNNING, KV_USAGE = "num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"
+WAITING, KV_USAGE = "num_requests_waiting", "kv_cache_usage_perc"
 #: Metrics decode replicas add: recent p90s, in seconds (0 when there were no samples).
 TTFT, ITL, PREFILL_QUEUE = "ttft_p90_seconds", "itl_p90_seconds", "prefill_queue_p90_seconds"
 #: Key of the planner's state in each deployment's Ray policy state.
@@ -92,6 +93,11 @@ class PlannerSettings:
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
 
+    def with_bounds(self, role: Role, low: int, high: int) -> PlannerSettings:
+        if role == "prefill":
+            return dataclasses.replace(self, min_prefill=low, max_prefill=high)
+        return dataclasses.replace(self, min_decode=low, max_decode=high)
+
     def share(self, role: Role) -> int:
         """The most replicas ``role`` may hold when the roles do not trade (plan_deployment)."""
         high = self.bounds(role)[1]
@@ -128,7 +134,6 @@ class RoleLoad:
     #: False until some replica of the role has reported.
     reported: bool = True
     waiting: float = 0.0
-    running: float = 0.0
     kv_usage: float = 0.0
 
     @property
@@ -221,7 +226,9 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
             step = max(1, math.ceil(load.replicas * min(p - 1.0, 1.0)))
             want[role] = min(s.bounds(role)[1], max(want[role], load.replicas + step))
     notes += _fit_budget(want, loads, pressure, state, s, now)
-    nothing_over = all(p is None or p <= 1.0 for p in pressure.values())
+    # Nothing shrinks while users see a missed target, even one no role here can act on.
+    nothing_over = (all(p is None or p <= 1.0 for p in pressure.values())
+                    and obs.ttft_s <= s.target_ttft_s and obs.itl_s <= s.target_itl_s)
     if (nothing_over and all(want[r] == loads[r].replicas for r in loads)
             and _since(state.last_change(), now) >= s.downscale_cooldown_s):
         idle = [r for r in loads if _has_slack(r, loads[r], pressure[r], state, s, now)]
@@ -271,7 +278,7 @@ def _can_give(role: Role, k: int, load: RoleLoad, pressure: float | None, state:
     """Whether ``role`` can lose ``k`` replicas and, with its load spread over the rest, stay under
     donor_headroom; never a role that grew within downscale_cooldown_s (no flapping)."""
     n = load.replicas
-    return (pressure is not None and not load.starting and n - k >= s.bounds(role)[0]
+    return (pressure is not None and not load.starting and n - k >= max(1, s.bounds(role)[0])
             and _since(state.last_up(role), now) >= s.downscale_cooldown_s
             and pressure * n / (n - k) <= s.donor_headroom)
 
@@ -353,7 +360,6 @@ def role_load(ctx: AutoscalingContext) -> RoleLoad:
     queued = float(ctx.total_queued_requests or 0.0)  # at handles, not yet on a replica
     return RoleLoad(replicas=ctx.target_num_replicas, ready_replicas=ready, reported=bool(waiting),
                     waiting=_mean(waiting) + queued / max(1, ready),
-                    running=_mean(list((metrics.get(RUNNING) or {}).values())),
                     kv_usage=max((metrics.get(KV_USAGE) or {}).values(), default=0.0))
 
 
@@ -372,8 +378,7 @@ def _settings(roles: dict[Role, AutoscalingContext]) -> PlannerSettings:
         kwargs = dict(getattr(policy, "policy_kwargs", None) or {}) or kwargs
     settings = PlannerSettings.from_kwargs(kwargs)
     for role, ctx in roles.items():
-        settings = dataclasses.replace(settings, **{f"min_{role}": ctx.capacity_adjusted_min_replicas,
-                                                    f"max_{role}": ctx.capacity_adjusted_max_replicas})
+        settings = settings.with_bounds(role, ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas)
     return settings
 
 

@@ -1,0 +1,421 @@
+"""The planner: the pure core on scripted load (prefill-bound, decode-bound, trading at the budget,
+idle, no flapping), the Ray Serve adapters called with AutoscalingContexts built as Ray builds
+them (also through Ray's own wrapper for application-level policies), the wiring build_app uses,
+and the metrics the decode and prefill replicas report for it."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from cluster.common.messages import GenerateRequest, ReplicaStats, StepOutput
+from cluster.common.sampling_params import SamplingParams
+from cluster.config import parse_cluster_args
+from cluster.router import planner
+from cluster.router.planner import Observation, PlannerSettings, PlannerState, RoleLoad, plan
+
+BUDGET = 8
+
+
+def make_settings(**overrides: Any) -> PlannerSettings:
+    base = dict(target_ttft_s=1.0, target_itl_s=0.1, min_prefill=1, max_prefill=7, min_decode=1,
+                max_decode=7, max_total_replicas=BUDGET, upscale_cooldown_s=30.0, downscale_cooldown_s=120.0,
+                initial_prefill=2, initial_decode=2)
+    return PlannerSettings(**{**base, **overrides})
+
+
+def observe(p: int = 2, d: int = 2, *, ttft: float = 0.45, itl: float = 0.045, queue: float = 0.05,
+            p_waiting: float = 0.0, d_waiting: float = 0.0, kv: float = 0.45) -> Observation:
+    """A steady cluster unless told otherwise: pressures about 0.5, too busy to lose a replica."""
+    return Observation(prefill=RoleLoad(p, waiting=p_waiting, kv_usage=0.2),
+                       decode=RoleLoad(d, waiting=d_waiting, kv_usage=kv),
+                       ttft_s=ttft, itl_s=itl, prefill_queue_s=queue)
+
+
+def counts(decision: planner.Decision) -> tuple[int, int]:
+    return decision.replicas["prefill"], decision.replicas["decode"]
+
+
+# --- the core ---------------------------------------------------------------------------------------
+
+def test_steady_load_holds():
+    decision = plan(observe(), make_settings(), PlannerState(), now=1000.0)
+    assert counts(decision) == (2, 2) and decision.reason == "" and decision.state == PlannerState()
+
+
+def test_prefill_bound_load_grows_prefill():
+    decision = plan(observe(ttft=2.0, queue=1.5, p_waiting=12), make_settings(), PlannerState(), now=1000.0)
+    assert counts(decision) == (4, 2)  # pressure 3: at most doubling
+    assert decision.state.prefill_up == 1000.0 and decision.state.decode_up is None
+    assert "prefill 2->4" in decision.reason
+
+
+def test_ttft_alone_is_prefill_pressure_when_decode_is_fine():
+    assert counts(plan(observe(ttft=1.3), make_settings(), PlannerState(), now=1000.0)) == (3, 2)
+
+
+@pytest.mark.parametrize("signal", [{"itl": 0.15}, {"kv": 0.97}, {"d_waiting": 20.0}])
+def test_decode_bound_load_grows_decode(signal):
+    p, d = counts(plan(observe(**signal), make_settings(), PlannerState(), now=1000.0))
+    assert p == 2 and d > 2
+
+
+def test_slow_first_tokens_from_a_congested_decode_grow_decode_not_prefill():
+    decision = plan(observe(ttft=2.5, kv=0.97), make_settings(), PlannerState(), now=1000.0)
+    assert counts(decision) == (2, 4)
+
+
+def test_without_a_prefill_role_decode_owns_ttft():
+    obs = Observation(decode=RoleLoad(2, kv_usage=0.2), ttft_s=1.5)
+    decision = plan(obs, make_settings(has_prefill=False), PlannerState(), now=1000.0)
+    assert decision.replicas == {"decode": 3}
+
+
+def test_at_the_budget_the_role_with_slack_gives_replicas():
+    decision = plan(observe(4, 4, ttft=2.0, queue=1.2, itl=0.01, kv=0.1), make_settings(), PlannerState(), now=1000.0)
+    p, d = counts(decision)
+    assert p + d == BUDGET and p > 4 and d < 4
+    assert d >= 2  # at most half of the donor's replicas at a time
+    assert "decode gives" in decision.reason
+    assert decision.state.prefill_up == 1000.0 and decision.state.decode_down == 1000.0
+
+
+def test_at_the_budget_a_donor_keeps_what_it_needs():
+    # Decode at 0.6 of its ITL target cannot lose a replica of 4 (0.6 * 4/3 = 0.8 is the headroom
+    # limit; two would be 1.2): it gives one, and prefill grows by one.
+    decision = plan(observe(4, 4, ttft=2.0, itl=0.06, kv=0.1), make_settings(), PlannerState(), now=1000.0)
+    assert counts(decision) == (5, 3)
+    busy = plan(observe(4, 4, ttft=2.0, itl=0.09, kv=0.1), make_settings(), PlannerState(), now=1000.0)
+    assert counts(busy) == (4, 4)  # no donor: the growth is cut to the budget
+
+
+def test_both_over_at_the_budget_holds():
+    decision = plan(observe(4, 4, ttft=2.0, queue=1.0, itl=0.2), make_settings(), PlannerState(), now=1000.0)
+    assert counts(decision) == (4, 4)
+
+
+def test_without_a_budget_roles_grow_to_their_maximum():
+    decision = plan(observe(4, 4, ttft=3.0, queue=2.0, itl=0.3), make_settings(max_total_replicas=None),
+                    PlannerState(), now=1000.0)
+    assert counts(decision) == (7, 7)
+
+
+def test_idle_scales_down_to_minimums_one_role_per_cooldown():
+    s = make_settings()
+    p, d, state = 4, 4, PlannerState()
+    changes: list[tuple[float, int, int]] = []
+    for tick in range(200):
+        now = 1000.0 + 10.0 * tick
+        decision = plan(observe(p, d, ttft=0.0, itl=0.0, queue=0.0, kv=0.0), s, state, now)
+        if counts(decision) != (p, d):
+            changes.append((now, *counts(decision)))
+        (p, d), state = counts(decision), decision.state
+    assert (p, d) == (1, 1)
+    assert len(changes) == 6  # one replica at a time
+    times = [t for t, _, _ in changes]
+    assert all(b - a >= s.downscale_cooldown_s for a, b in zip(times, times[1:]))
+
+
+def test_no_flapping_within_the_cooldown():
+    s = make_settings()
+    swap = plan(observe(4, 4, ttft=2.0, itl=0.02, kv=0.1), s, PlannerState(), now=1000.0)
+    p, d = counts(swap)
+    assert (p, d) == (6, 2)
+    # Right after, decode misses its target: prefill grew within the cooldown, so it gives nothing
+    # back; at the budget decode cannot grow either.
+    after = plan(observe(p, d, itl=0.15), s, swap.state, now=1010.0)
+    assert counts(after) == (6, 2)
+    # Prefill still over, but within its upscale cooldown: it waits.
+    again = plan(observe(p, d, ttft=2.0, itl=0.02, kv=0.1), s, swap.state, now=1010.0)
+    assert counts(again) == (6, 2)
+    # Load gone: nothing shrinks before the downscale cooldown.
+    quiet = plan(observe(p, d, ttft=0.0, itl=0.0, queue=0.0, kv=0.0), s, swap.state, now=1100.0)
+    assert counts(quiet) == (6, 2)
+    later = plan(observe(p, d, ttft=0.0, itl=0.0, queue=0.0, kv=0.0), s, swap.state, now=1121.0)
+    assert counts(later) == (5, 2)
+
+
+def test_starting_replicas_and_missing_reports_hold():
+    s = make_settings()
+    starting = Observation(prefill=RoleLoad(4, ready_replicas=3), decode=RoleLoad(2), ttft_s=3.0)
+    assert counts(plan(starting, s, PlannerState(), now=1000.0)) == (4, 2)
+    silent = Observation(prefill=RoleLoad(4, reported=False), decode=RoleLoad(4, reported=False))
+    assert counts(plan(silent, s, PlannerState(), now=1e6)) == (4, 4)  # no data is not idle
+
+
+def test_counts_outside_the_bounds_are_brought_back():
+    decision = plan(observe(9, 2), make_settings(max_total_replicas=None), PlannerState(), now=1000.0)
+    assert counts(decision) == (7, 2)
+
+
+def test_fallback_shares_split_the_budget_by_starting_replicas():
+    s = make_settings(initial_prefill=2, initial_decode=6)
+    assert (s.share("prefill"), s.share("decode")) == (2, 6)
+    assert make_settings(max_total_replicas=None).share("decode") == 7
+
+
+# --- the Ray adapters ------------------------------------------------------------------------------
+
+APP = "cluster"
+
+
+def make_context(name: str, target: int, metrics: dict[str, float] | None = None, *, current: int | None = None,
+                 settings: PlannerSettings | None = None, policy_state: dict[str, Any] | None = None,
+                 now: float = 1000.0) -> Any:
+    """An AutoscalingContext as the controller builds one (DeploymentAutoscalingState.
+    get_autoscaling_context), every running replica reporting the same ``metrics``."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy
+
+    s = settings or make_settings()
+    low, high = s.bounds(planner.DEPLOYMENTS.get(name, "decode"))
+    dep = DeploymentID(name=name, app_name=APP)
+    current = target if current is None else current
+    replicas = [ReplicaID(f"{name}-{i}", deployment_id=dep) for i in range(current)]
+    policy = AutoscalingPolicy(policy_function="cluster.router.planner:plan_deployment",
+                               policy_kwargs=dataclasses.asdict(s))
+    config = AutoscalingConfig(min_replicas=low, max_replicas=high, upscale_delay_s=0.0, downscale_delay_s=0.0,
+                               policy=policy)
+    aggregated = {key: {r: value for r in replicas} for key, value in (metrics or {}).items()}
+    return AutoscalingContext(
+        deployment_id=dep, deployment_name=name, app_name=APP, current_num_replicas=current,
+        target_num_replicas=target, running_replicas=replicas, total_num_requests=0.0, total_queued_requests=0.0,
+        aggregated_metrics=aggregated, raw_metrics={}, capacity_adjusted_min_replicas=low,
+        capacity_adjusted_max_replicas=high, policy_state=dict(policy_state or {}), last_scale_up_time=None,
+        last_scale_down_time=None, current_time=now, config=config)
+
+
+def load(waiting: float = 0.0, kv: float = 0.2) -> dict[str, float]:
+    return {planner.WAITING: waiting, planner.KV_USAGE: kv}
+
+
+def decode_metrics(ttft: float = 0.45, itl: float = 0.045, queue: float = 0.05, kv: float = 0.45
+                   ) -> dict[str, float]:
+    return {**load(kv=kv), planner.TTFT: ttft, planner.ITL: itl, planner.PREFILL_QUEUE: queue}
+
+
+def by_name(result: dict[Any, Any]) -> dict[str, Any]:
+    return {dep.name: value for dep, value in result.items()}
+
+
+def test_application_policy_moves_replicas_to_a_prefill_bound_role():
+    contexts = [make_context("PrefillServer", 4, load(waiting=10)),
+                make_context("DecodeServer", 4, decode_metrics(ttft=2.0, queue=1.0, itl=0.01, kv=0.1))]
+    decisions, states = planner.plan_application({c.deployment_id: c for c in contexts})
+    assert by_name(decisions) == {"PrefillServer": 6, "DecodeServer": 2}
+    for state in states.values():
+        assert state[planner.STATE_KEY]["prefill_up"] == 1000.0
+
+
+def test_application_policy_grows_decode_on_inter_token_latency():
+    contexts = [make_context("PrefillServer", 2, load()), make_context("DecodeServer", 2, decode_metrics(itl=0.15))]
+    decisions, _ = planner.plan_application({c.deployment_id: c for c in contexts})
+    assert by_name(decisions) == {"PrefillServer": 2, "DecodeServer": 3}
+
+
+def test_application_policy_holds_before_any_report_and_ignores_other_deployments():
+    contexts = [make_context("PrefillServer", 2), make_context("DecodeServer", 2),
+                make_context("Other", 1, load(waiting=100))]
+    decisions, states = planner.plan_application({c.deployment_id: c for c in contexts})
+    assert by_name(decisions) == {"PrefillServer": 2, "DecodeServer": 2}
+    assert set(by_name(states)) == {"PrefillServer", "DecodeServer"}
+
+
+def test_application_policy_through_rays_wrapper_keeps_state_between_ticks():
+    from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config
+
+    policy = _apply_app_level_autoscaling_config(planner.plan_application)
+    metrics = {"PrefillServer": load(waiting=10), "DecodeServer": decode_metrics(ttft=2.0, queue=1.0, kv=0.1)}
+    contexts = [make_context("PrefillServer", 2, metrics["PrefillServer"]),
+                make_context("DecodeServer", 2, metrics["DecodeServer"])]
+    decisions, states = policy({c.deployment_id: c for c in contexts})
+    assert by_name(decisions) == {"PrefillServer": 4, "DecodeServer": 2}
+    # The next tick, 10 s later and with the new replicas still starting: the state Ray kept holds it.
+    later = {name: make_context(name, by_name(decisions)[name], metrics[name], current=2,
+                                policy_state=by_name(states)[name], now=1010.0) for name in metrics}
+    decisions, _ = policy({c.deployment_id: c for c in later.values()})
+    assert by_name(decisions) == {"PrefillServer": 4, "DecodeServer": 2}
+
+
+def test_deployment_policy_scales_one_role_within_its_share():
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+
+    s = make_settings(initial_prefill=2, initial_decode=2)  # shares: 4 + 4 of 8
+    policy = _apply_autoscaling_config(planner.plan_deployment)
+    n, state = policy(make_context("DecodeServer", 3, decode_metrics(itl=0.3), settings=s))
+    assert n == 4 and state[planner.STATE_KEY]["warned"]
+    n, _ = policy(make_context("PrefillServer", 2, load(waiting=30), settings=s))
+    assert n == 4
+
+
+def test_deployment_policy_never_shrinks_while_ttft_misses_its_target():
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+
+    # Decode alone cannot tell whether prefill causes slow first tokens, but it must not shrink.
+    s = make_settings(initial_decode=3)
+    policy = _apply_autoscaling_config(planner.plan_deployment)
+    slow = make_context("DecodeServer", 3, decode_metrics(ttft=3.0, itl=0.001, kv=0.0), settings=s)
+    assert policy(slow)[0] == 3
+    fast = make_context("DecodeServer", 3, decode_metrics(ttft=0.1, itl=0.001, kv=0.0), settings=s)
+    assert policy(fast)[0] == 2
+
+
+def test_deployment_scaling_fixed_and_autoscaled():
+    fixed = parse_cluster_args({"prefill_replicas": 3}, use_env=False)
+    assert planner.deployment_scaling(fixed, "prefill") == {"num_replicas": 3}
+    config = parse_cluster_args({"autoscale": True, "prefill_replicas": 2, "decode_replicas": 3,
+                                 "max_total_replicas": 8, "min_replicas": 1, "max_replicas": 6,
+                                 "target_ttft_s": 0.5}, use_env=False)
+    scaling = planner.deployment_scaling(config, "decode")["autoscaling_config"]
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.initial_replicas) == (1, 6, 3)
+    assert scaling.upscale_delay_s == 0 and scaling.downscale_delay_s == 0
+    kwargs = scaling.policy.policy_kwargs
+    assert kwargs["target_ttft_s"] == 0.5 and kwargs["max_total_replicas"] == 8 and kwargs["has_prefill"]
+    policy = scaling.policy.get_policy()  # what the controller unpickles
+    n, _ = policy(make_context("DecodeServer", 3, decode_metrics(), settings=PlannerSettings.from_kwargs(kwargs)))
+    assert n == 3
+
+
+# --- what the replicas report --------------------------------------------------------------------------
+
+class FakeWorker:
+    """Stands in for DecodeWorker/PrefillWorker: fixed stats; three outputs per request."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+
+    def shutdown(self) -> None:
+        pass
+
+    async def stats(self, replica_id: str) -> ReplicaStats:
+        return ReplicaStats(role=self.role, replica_id=replica_id, num_requests_running=3,
+                            num_requests_waiting=1, kv_cache_usage_perc=0.25)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        first = StepOutput(request.request_id, [1], "a", timings={"prefill_queue": 0.2})
+        yield first
+        yield StepOutput(request.request_id, [2], "ab")
+        yield StepOutput(request.request_id, [3], "abc", finish_reason="stop")
+
+
+def test_decode_replicas_report_what_the_planner_reads():
+    from cluster.decode.server import DecodeServer, LatencyWindow
+
+    server = object.__new__(DecodeServer.func_or_class)
+    server.replica_id, server.worker = "d0", FakeWorker("decode")
+    server.ttft, server.itl, server.prefill_queue = LatencyWindow(), LatencyWindow(), LatencyWindow()
+
+    async def run() -> dict[str, float]:
+        request = GenerateRequest("r1", [1, 2, 3], SamplingParams(max_tokens=3))
+        request.arrival_time -= 0.5
+        assert len([out async for out in server.generate(request)]) == 3
+        return await server.record_autoscaling_stats()
+
+    reported = asyncio.run(run())
+    assert set(reported) == {planner.WAITING, planner.KV_USAGE, planner.TTFT, planner.ITL, planner.PREFILL_QUEUE}
+    assert reported[planner.TTFT] >= 0.5 and reported[planner.PREFILL_QUEUE] == 0.2
+    assert reported[planner.KV_USAGE] == 0.25 and all(isinstance(v, float) for v in reported.values())
+
+
+def test_prefill_replicas_report_their_load():
+    from cluster.prefill.server import PrefillServer
+
+    server = object.__new__(PrefillServer.func_or_class)
+    server.replica_id, server.worker = "p0", FakeWorker("prefill")
+    reported = asyncio.run(server.record_autoscaling_stats())
+    assert reported == {planner.WAITING: 1.0, planner.KV_USAGE: 0.25}
+
+
+def test_latency_window_reports_a_recent_p90():
+    from cluster.decode.server import LatencyWindow
+
+    window = LatencyWindow(window_s=30.0)
+    assert window.p90(now=0.0) == 0.0
+    for i in range(1, 11):
+        window.add(i / 10, now=float(i))
+    assert window.p90(now=10.0) == 0.9
+    assert window.p90(now=45.0) == 0.0  # all older than the window
+
+
+# --- in Ray's controller ----------------------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: Deploys fake_app from a Serve config that names plan_application, in a Ray instance of its own,
+#: and prints the replicas once the planner has moved one from decode to prefill (or time is up).
+RAY_SCRIPT = """
+import json, sys, time
+import ray
+from ray import serve
+from ray.serve.schema import ServeDeploySchema
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[1])})
+schema = ServeDeploySchema.model_validate({"applications": [{
+    "name": "cluster", "route_prefix": "/", "import_path": "tests.router.test_planner:fake_app",
+    "args": json.loads(sys.argv[2]),
+    "autoscaling_policy": {"policy_function": "cluster.router.planner:plan_application"}}]})
+serve.context._get_global_client().deploy_apps(schema, _blocking=False)
+deadline, counts = time.time() + 180, {}
+while time.time() < deadline:
+    app = serve.status().applications.get("cluster")
+    if app is not None and app.deployments:
+        counts = {n: int(d.replica_states.get("RUNNING", 0)) for n, d in app.deployments.items()}
+        if counts == {"PrefillServer": 5, "DecodeServer": 1}:
+            break
+    time.sleep(0.5)
+print("COUNTS " + json.dumps(counts), flush=True)
+serve.shutdown()
+ray.shutdown()
+"""
+
+
+def fake_app(args: dict[str, Any]) -> Any:
+    """Stand-ins for the two roles under their deployment names, sized by deployment_scaling as
+    build_app sizes them, reporting fixed metrics: prefill-bound (TTFT ``fake_ttft_s``), decode idle."""
+    from ray import serve
+
+    ttft = float(args.pop("fake_ttft_s"))
+    config = parse_cluster_args(args, use_env=False)
+
+    @serve.deployment(name="PrefillServer", ray_actor_options={"num_cpus": 0})
+    class Prefill:
+        def record_autoscaling_stats(self) -> dict[str, float]:
+            return {planner.WAITING: 0.0, planner.KV_USAGE: 0.1}
+
+    @serve.deployment(name="DecodeServer", ray_actor_options={"num_cpus": 0})
+    class Decode:
+        def __init__(self, prefill: Any) -> None:
+            self.prefill = prefill
+
+        def record_autoscaling_stats(self) -> dict[str, float]:
+            return {planner.WAITING: 0.0, planner.KV_USAGE: 0.05, planner.TTFT: ttft, planner.ITL: 0.001,
+                    planner.PREFILL_QUEUE: 0.0}
+
+    prefill = Prefill.options(**planner.deployment_scaling(config, "prefill")).bind()
+    return Decode.options(**planner.deployment_scaling(config, "decode")).bind(prefill)
+
+
+@pytest.mark.e2e
+def test_ray_runs_the_planner_named_in_a_serve_config():
+    args = {"fake_ttft_s": 3.0, "autoscale": True, "prefill_replicas": 2, "decode_replicas": 2, "min_replicas": 1,
+            "max_replicas": 5, "max_total_replicas": 6, "upscale_cooldown_s": 2, "downscale_cooldown_s": 4}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
+               RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S="0.5",
+               RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S="0.5")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = subprocess.run([sys.executable, "-c", RAY_SCRIPT, str(port), json.dumps(args)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("COUNTS ")]
+    assert lines, result.stdout[-3000:] + result.stderr[-3000:]
+    # Prefill-bound: prefill grew 2 -> 4 -> 5 and, at the budget of 6, decode gave it one.
+    assert json.loads(lines[-1].removeprefix("COUNTS ")) == {"PrefillServer": 5, "DecodeServer": 1}
