@@ -58,6 +58,15 @@ class KVGroupSpec:
         """Length of the block table that covers ``num_tokens`` tokens."""
         return -(-self.num_entries(num_tokens) // self.block_size)
 
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """Most blocks a request of ``num_tokens`` tokens holds at once when prefilled in chunks
+        of at most ``chunk_tokens`` (window and state groups free blocks behind them as it goes)."""
+        total = self.blocks_needed(num_tokens)
+        if self.kind not in ("sliding_window", "state"):
+            return total
+        reach = (self.sliding_window or 1) - 1 + min(chunk_tokens, num_tokens)
+        return min(total, -(-reach // self.block_size) + 1)
+
     def first_needed_block(self, num_computed_tokens: int) -> int:
         """Blocks before this index are never read again once ``num_computed_tokens`` are computed."""
         if self.kind == "sliding_window":

@@ -59,9 +59,10 @@ class KVCacheManager:
         return [max(0, spec.blocks_needed(num_tokens) - (len(tables[g]) if tables else 0))
                 for g, spec in enumerate(self.specs)]
 
-    def can_fit(self, num_tokens: int) -> bool:
-        """Could a new request of ``num_tokens`` tokens get blocks with nothing else running?"""
-        return all(spec.blocks_needed(num_tokens) <= pool.num_blocks - 1
+    def can_fit(self, num_tokens: int, chunk_tokens: int) -> bool:
+        """Could a request of ``num_tokens`` tokens, prefilled in chunks of ``chunk_tokens``, get
+        its blocks with nothing else running?"""
+        return all(spec.peak_blocks(num_tokens, chunk_tokens) <= pool.num_blocks - 1
                    for spec, pool in zip(self.specs, self.pools))
 
     # --- prefix caching --------------------------------------------------------------------------
@@ -131,6 +132,20 @@ class KVCacheManager:
         for g, new in enumerate(needs):
             if new:
                 tables[g].extend(self.pools[g].allocate(new))
+        return True
+
+    def allocate_tail(self, request_id: str, num_tokens: int) -> bool:
+        """For a new request whose first ``num_tokens`` tokens are computed elsewhere: blocks for
+        what the next token will read (window and state groups skip what is already behind them;
+        those entries point at the null block). All or nothing."""
+        assert request_id not in self.tables
+        firsts = [spec.first_needed_block(num_tokens) for spec in self.specs]
+        needs = [spec.blocks_needed(num_tokens) - first for spec, first in zip(self.specs, firsts)]
+        if any(n > pool.num_free for n, pool in zip(needs, self.pools)):
+            return False
+        tables = [[NULL_BLOCK] * first + pool.allocate(n) for first, n, pool in zip(firsts, needs, self.pools)]
+        self.tables[request_id] = tables
+        self._num_cached_blocks[request_id] = [0] * len(tables)
         return True
 
     def free_skipped(self, request_id: str, num_computed_tokens: int) -> None:

@@ -74,7 +74,7 @@ class Scheduler:
             raise InvalidRequestError(
                 f"prompt is {n} tokens, which leaves no room to generate within max_model_len="
                 f"{self.config.max_model_len}", param="prompt")
-        if not self.kv.can_fit(n + 1):
+        if not self.kv.can_fit(n + 1, self.config.max_num_batched_tokens):
             raise InvalidRequestError(
                 f"prompt of {n} tokens does not fit in the KV cache even when it is empty", param="prompt")
 
@@ -93,7 +93,7 @@ class Scheduler:
         if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
             return False
         request.update_block_hashes(self.block_size)
-        if not self.kv.allocate(request.request_id, request.num_prompt_tokens):
+        if not self.kv.allocate_tail(request.request_id, request.num_prompt_tokens):
             return False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_cached_tokens = 0

@@ -6,7 +6,12 @@ name-for-name copy): ``embed``; ``layers[i]`` each with ``attn`` (sliding, CSA o
 hyper-connection parameters ``hc_attn_*``/``hc_ffn_*``; ``hc_head_*``, ``norm`` and ``head``. The
 residual is ``hc_mult`` streams ``[T, hc_mult, hidden]`` from the embedding to the final hyper head.
 ``mtp[k]`` holds the MTP (next-n) layers' weights for speculative decoding; they take no part in
-this model's forward. KV state: see ``deepseek_v4_kv``."""
+this model's forward. KV state: see ``deepseek_v4_kv``.
+
+The computation follows transformers' ``models/deepseek_v4`` (the tests' reference) where it and
+DeepSeek's inference code differ: that code rounds the stored KV's non-RoPE features through FP8
+and the indexer's queries and keys through FP4 (after a Hadamard rotation, which alone leaves the
+scores unchanged); transformers, and this model, keep them in the model dtype."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -22,7 +27,10 @@ from cluster.models.deepseek_v4_config import DeepseekV4Args
 from cluster.models.deepseek_v4_kv import LayerKV, deepseek_v4_kv_specs, layer_kv_layout
 from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head, hc_post, hc_pre
 from cluster.models.deepseek_v4_moe import DeepseekV4MoE
+from cluster.models.deepseek_v4_quant import QuantScheme
+from cluster.models.deepseek_v4_weights import load_deepseek_v4_weights
 from cluster.models.layers import Embedding, Linear
+
 
 def _hc_params(args: DeepseekV4Args, mixes: int) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
     """(fn, base, scale) of one hyper-connection (``mixes = (2 + N) * N``) or hyper head (``N``)."""
@@ -118,13 +126,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], total: int | None = None,
                      desc: str = "Loading weights") -> None:
-        from cluster.models.deepseek_v4_weights import load_deepseek_v4_weights
-
         load_deepseek_v4_weights(self, weights, total=total, desc=desc)
 
 
 def build_deepseek_v4(config: dict[str, Any], dtype: torch.dtype) -> DeepseekV4ForCausalLM:
-    from cluster.models.deepseek_v4_quant import QuantScheme
-
     QuantScheme.from_config(config)  # an unknown quantization format fails before any allocation
     return DeepseekV4ForCausalLM(DeepseekV4Args.from_hf(config), dtype)

@@ -155,3 +155,24 @@ def test_kv_bytes_per_token_counts_only_live_blocks():
     expected = (2 * specs[0].bytes_per_block + 4 * specs[1].bytes_per_block
                 + 8 * specs[2].bytes_per_block + 1 * specs[3].bytes_per_block) / ctx
     assert kv_bytes_per_token(specs, ctx) == expected
+
+
+def test_window_groups_need_only_their_window_plus_a_chunk():
+    specs = multi_group_specs()
+    kv = make_manager(specs, [64, 64, 64, 64])
+    # 1000 tokens would take 250 sliding-window blocks, but chunks of 16 hold at most 7 of them
+    assert specs[0].peak_blocks(1000, 16) == 7 and specs[3].peak_blocks(1000, 16) == 5
+    assert not kv.can_fit(1000, 16)  # the compressed groups grow: 63 csa blocks fit, 125 hca do not
+    sliding_only = make_manager([specs[0]], [10])
+    assert sliding_only.can_fit(1000, 16) and not sliding_only.can_fit(1000, 64)
+
+
+def test_allocate_tail_reserves_only_what_the_next_token_reads():
+    kv = make_manager(multi_group_specs(), [64, 64, 64, 64])
+    assert kv.allocate_tail("d", 40)
+    swa, csa, hca, state = kv.block_tables("d")
+    assert swa[:8] == [NULL_BLOCK] * 8 and NULL_BLOCK not in swa[8:] and len(swa) == 10
+    assert state[:9] == [NULL_BLOCK] * 9 and state[9] != NULL_BLOCK
+    assert NULL_BLOCK not in csa + hca and len(csa) == 3 and len(hca) == 5
+    kv.free("d")
+    assert kv.usage == 0.0

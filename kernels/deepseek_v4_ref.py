@@ -1,0 +1,135 @@
+"""DeepSeek-V4 attention ops, pure-torch references (the targets of the Triton kernels).
+
+- Compressor pooling: a compressed entry is a per-channel softmax-weighted mean of its window's
+  token projections (weights from the gates). ``softmax_pool_prefix_ref`` computes, for every
+  window slot, the running pool of the slots so far as a ``(lse, mean)`` pair per channel (the
+  log-sum-exp of the gates seen and the weighted mean of the values), starting window 0 from a
+  carried pair; ``merge_pools_ref`` combines two pairs. An empty pool is ``(EMPTY_LSE, 0)``.
+- ``indexer_topk_ref``: the lightning indexer's scores ``sum_h w[t, h] * relu(q[t, h] . k[e]) * scale``
+  over a sequence's compressed keys and the top-k entries each query may see (entry ``e`` covers
+  tokens ``[e * R, (e + 1) * R)`` and is visible to positions ``>= (e + 1) * R - 1``).
+- ``sparse_attention_ref``: single-KV-head attention (the entry is both K and V) of each query over
+  its sliding window of token entries plus compressed entries (every visible one, or the indexer's
+  picks), with a per-head attention sink in the softmax's denominator.
+
+Paged layouts, per layer: token entries ``[num_blocks, block_size, D]`` (position ``p`` in block
+``table[p // block_size]``), compressed entries ``[num_blocks, entries_per_block, D]``. A batch is a
+flat run of query tokens: sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``, its
+last ``q_len`` positions out of ``seq_lens[i]``.
+"""
+from __future__ import annotations
+
+import torch
+
+#: The log-sum-exp of an empty pool: finite, so merging two empty pools stays well defined.
+EMPTY_LSE = -1e30
+
+
+def softmax_pool_prefix_ref(gate: torch.Tensor, value: torch.Tensor, carry_lse: torch.Tensor,
+                            carry_mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate``, ``value [W, R, C]`` (absent slots have gate ``-inf``) and a carried pool
+    ``[C]`` folded into window 0 -> running pools ``(lse, mean) [W, R, C]`` in float32."""
+    gate, value = gate.float(), value.float()
+    carry = torch.full_like(gate[:, :1], float("-inf"))
+    carry[0, 0] = carry_lse.float()
+    ref = torch.maximum(gate.amax(dim=1, keepdim=True), carry)  # [W, 1, C], finite per window
+    weight = torch.exp(gate - ref)
+    total = torch.cumsum(weight, dim=1)
+    weighted = torch.cumsum(weight * value, dim=1)
+    carried = torch.exp(carry - ref)  # zero but for window 0
+    total = total + carried
+    weighted = weighted + carried * torch.where(carry.isfinite(), carry_mean.float(), 0.0)
+    present = total > 0
+    lse = torch.where(present, ref + torch.log(torch.where(present, total, 1.0)), EMPTY_LSE)
+    mean = torch.where(present, weighted / torch.where(present, total, 1.0), 0.0)
+    return lse, mean
+
+
+def merge_pools_ref(lse_a: torch.Tensor, mean_a: torch.Tensor, lse_b: torch.Tensor, mean_b: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool of the union of two disjoint pools (broadcasting)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return lse, mean_a * torch.exp(lse_a - lse) + mean_b * torch.exp(lse_b - lse)
+
+
+def gather_entries(cache: torch.Tensor, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Entries ``[start, end)`` of one sequence from a paged cache ``[num_blocks, per_block, D]``."""
+    per_block = cache.shape[1]
+    idx = torch.arange(start, end, device=cache.device)
+    blocks = table.long()[idx // per_block]
+    return cache[blocks, idx % per_block]
+
+
+def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                     index_tables: torch.Tensor, query_start_loc_cpu: list[int], seq_lens_cpu: list[int],
+                     compress_ratio: int, topk: int, scale: float) -> torch.Tensor:
+    """``q [T, Hi, Di]``, ``weights [T, Hi]`` -> ``[T, topk]`` int64 entry indices, ``-1`` where a query
+    sees fewer than ``topk`` entries (order within a row is unspecified)."""
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+    for i in range(len(seq_lens_cpu)):
+        start, end = query_start_loc_cpu[i], query_start_loc_cpu[i + 1]
+        seq_len = seq_lens_cpu[i]
+        num_entries = seq_len // compress_ratio
+        if end == start or num_entries == 0:
+            continue
+        keys = gather_entries(index_cache, index_tables[i], 0, num_entries).float()  # [E, Di]
+        scores = torch.relu(torch.einsum("thd,ed->the", q[start:end].float(), keys)) * scale
+        scores = (scores * weights[start:end].float().unsqueeze(-1)).sum(dim=1)  # [q_len, E]
+        positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        visible = (positions + 1) // compress_ratio  # entries each query may see
+        future = torch.arange(num_entries, device=q.device)[None, :] >= visible[:, None]
+        k = min(topk, num_entries)
+        picked = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
+        out[start:end, :k] = torch.where(picked >= visible[:, None], -1, picked)
+    return out
+
+
+def sparse_attention_ref(q: torch.Tensor, window_cache: torch.Tensor, window_tables: torch.Tensor,
+                         compressed_cache: torch.Tensor | None, compressed_tables: torch.Tensor | None,
+                         topk_indices: torch.Tensor | None, sinks: torch.Tensor,
+                         query_start_loc_cpu: list[int], seq_lens_cpu: list[int], window: int,
+                         compress_ratio: int, scale: float) -> torch.Tensor:
+    """``q [T, H, D]`` -> ``[T, H, D]``. Each query at position ``p`` attends the token entries at
+    ``(p - window, p]`` and, with a compressed cache, the compressed entries ``topk_indices[t]``
+    (``-1`` skipped) or, when ``topk_indices`` is None, every entry ``e < (p + 1) // compress_ratio``."""
+    out = torch.empty_like(q)
+    for i in range(len(seq_lens_cpu)):
+        start, end = query_start_loc_cpu[i], query_start_loc_cpu[i + 1]
+        if end == start:
+            continue
+        seq_len, q_len = seq_lens_cpu[i], end - start
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        first = max(0, seq_len - q_len - window + 1)
+        keys = gather_entries(window_cache, window_tables[i], first, seq_len)  # [S, D]
+        k_pos = torch.arange(first, seq_len, device=q.device)
+        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        if compressed_cache is not None:
+            assert compressed_tables is not None
+            num_entries = seq_len // compress_ratio
+            entries = gather_entries(compressed_cache, compressed_tables[i], 0, num_entries)
+            e_idx = torch.arange(num_entries, device=q.device)
+            if topk_indices is None:
+                e_mask = e_idx[None, :] < ((q_pos + 1) // compress_ratio)[:, None]
+            else:  # picks of -1 land in a spare column that is dropped
+                picks = topk_indices[start:end]
+                e_mask = torch.zeros((q_len, num_entries + 1), dtype=torch.bool, device=q.device)
+                e_mask.scatter_(1, torch.where(picks >= 0, picks, num_entries), True)
+                e_mask = e_mask[:, :num_entries]
+            keys = torch.cat([keys, entries])
+            mask = torch.cat([mask, e_mask], dim=1)
+        out[start:end] = _attend_with_sinks(q[start:end], keys, mask, sinks, scale)
+    return out
+
+
+def _attend_with_sinks(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """``q [L, H, D]``, ``kv [S, D]`` (K = V), ``mask [L, S]`` -> ``[L, H, D]``; the sink is one more
+    logit per head that takes probability mass but contributes no value."""
+    kv = kv.to(q.dtype)
+    logits = torch.einsum("lhd,sd->hls", q, kv).float() * scale  # softmax in float32
+    logits = logits.masked_fill(~mask[None], float("-inf"))
+    sink = sinks.float()[:, None, None].expand(-1, logits.shape[1], 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    probs = combined.softmax(dim=-1)[..., :-1].to(kv.dtype)
+    return torch.einsum("hls,sd->lhd", probs, kv)
