@@ -14,6 +14,8 @@ class EngineClient(Protocol):
     #: The name clients pass as ``model``.
     model_name: str
     max_model_len: int
+    #: The model's vocabulary size (token ids in prompts must be below it).
+    vocab_size: int
     tokenizer: Tokenizer
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:

@@ -109,7 +109,8 @@ class OpenAIServing:
 
     def _completion_prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompts: list[Prompt] = []
-        vocab = self.client.tokenizer.vocab_size
+        # The model's vocabulary is authoritative (it may be padded beyond the tokenizer's).
+        vocab = int(getattr(self.client, "vocab_size", 0) or self.client.tokenizer.vocab_size)
         for p in request.prompts():
             if isinstance(p, str):
                 prompts.append(Prompt(self.client.tokenizer.encode(p), p))

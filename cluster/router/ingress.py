@@ -41,6 +41,7 @@ class Ingress:
         self.tokenizer: Tokenizer = tokenizer
         info = await decode.info.remote()
         self.max_model_len = int(info["max_model_len"])
+        self.vocab_size = int(info["vocab_size"])
         self.model_name = config.served_model_name or _default_name(config.model.model)
         self._inflight = 0
 

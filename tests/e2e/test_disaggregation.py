@@ -32,18 +32,25 @@ def expected(model_dir):
 
 
 async def run_concurrently(base_url: str, model: str, extra: dict, concurrency: int = 8) -> list[list[int]]:
+    return await run_concurrently_prompts(base_url, model, prompts(), extra, MAX_TOKENS, concurrency)
+
+
+async def run_concurrently_prompts(base_url: str, model: str, prompt_list: list[list[int]], extra: dict,
+                                   max_tokens: int, concurrency: int = 8) -> list[list[int]]:
+    """Greedy/seeded completions of token-id prompts over HTTP, ``concurrency`` at a time; the
+    generated token ids of each."""
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(prompt: list[int]) -> list[int]:
         async with sem:
             resp = await client.completions.create(
-                model=model, prompt=prompt, max_tokens=MAX_TOKENS, logprobs=0,
+                model=model, prompt=prompt, max_tokens=max_tokens, logprobs=0,
                 extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
                 **extra)
             return token_ids_of(resp)
     try:
-        return await asyncio.gather(*(one(p) for p in prompts()))
+        return await asyncio.gather(*(one(p) for p in prompt_list))
     finally:
         await client.close()
 
