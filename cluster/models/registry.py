@@ -75,6 +75,13 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
+def served_name(model: str) -> str:
+    """The name clients use for a ``model`` setting by default."""
+    if model == DEFAULT_MODEL:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(model.rstrip("/")).removesuffix(".gguf")
+
+
 def architecture_of(config: dict[str, Any]) -> str:
     archs = config.get("architectures") or []
     if not archs or not isinstance(archs, list):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,7 +18,7 @@ from cluster.common.block_hash import hash_token_blocks
 from cluster.common.errors import OverloadedError
 from cluster.common.messages import GenerateRequest, ReplicaStats, StepOutput
 from cluster.config import ClusterConfig
-from cluster.models.registry import DEFAULT_MODEL, load_tokenizer
+from cluster.models.registry import load_tokenizer, served_name
 from cluster.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,7 +41,7 @@ class Ingress:
         info = await decode.info.remote()
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
-        self.model_name = config.served_model_name or _default_name(config.model.model)
+        self.model_name = config.served_model_name or served_name(config.model.model)
         self._inflight = 0
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -97,8 +96,3 @@ class Ingress:
             return []
         return list(await self.state.backends.remote())
 
-
-def _default_name(model: str) -> str:
-    if model == DEFAULT_MODEL:
-        return "SmolLM2-135M-Instruct"
-    return os.path.basename(model.rstrip("/")).removesuffix(".gguf")

@@ -1,0 +1,96 @@
+"""The OpenAI HTTP API over one in-process colocated engine, without Ray: a single-process
+server for development, and the baseline that measures what Ray and disaggregation add.
+
+    python -m cluster.api.local_server --model smollm2 --port 8001
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cluster.api.server import build_openai_app
+from cluster.common.errors import OverloadedError
+from cluster.common.messages import GenerateRequest, ReplicaStats, StepOutput
+from cluster.config import ClusterConfig, parse_cluster_args
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine import LLMEngine
+from cluster.models.registry import served_name
+
+
+class LocalEngineClient:
+    """EngineClient over an AsyncEngine in this process (prefill and decode in one engine)."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        engine = LLMEngine(config.model, config.cache, config.scheduler)
+        self.engine = AsyncEngine(engine)
+        if engine.tokenizer is None:
+            raise RuntimeError("the HTTP API needs a model with a tokenizer")
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.scheduler_config.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.model_name = config.served_model_name or served_name(config.model.model)
+        self._inflight = 0
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        if self._inflight >= self.config.max_inflight_requests:
+            raise OverloadedError(f"{self._inflight} requests in flight; try again later")
+        self._inflight += 1
+        rid = request.request_id
+        try:
+            params = request.sampling_params.replace(n=1)
+            group = await self.engine.run(lambda e: e.make_group(
+                rid, request.prompt_token_ids, params, sample_index=request.sample_index))
+            sent = 0
+            async for out in self.engine.generate(group):
+                completion = out.outputs[0]
+                new_ids = completion.token_ids[sent:]
+                if not new_ids and not out.finished:
+                    continue
+                yield StepOutput(
+                    request_id=rid, new_token_ids=new_ids, text=completion.text,
+                    new_logprobs=completion.logprobs[sent:] if completion.logprobs is not None else None,
+                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                    num_cached_tokens=out.num_cached_tokens, error=out.error,
+                    error_type="RequestTimeoutError" if out.error == "deadline exceeded" else None)
+                sent = len(completion.token_ids)
+        finally:
+            self._inflight -= 1
+
+    async def check_health(self) -> None:
+        if self.engine.dead is not None:
+            raise RuntimeError(f"engine loop stopped: {self.engine.dead}")
+
+    async def replica_stats(self) -> list[ReplicaStats]:
+        m = await self.engine.run(lambda e: e.metrics())
+        return [ReplicaStats(role="colocated", replica_id="local",
+                             num_requests_running=int(m["num_requests_running"]),
+                             num_requests_waiting=int(m["num_requests_waiting"]),
+                             kv_cache_usage_perc=m["kv_cache_usage_perc"],
+                             num_free_blocks=int(m["num_free_blocks"]),
+                             prefix_cache_hit_rate=m["prefix_cache_hit_rate"])]
+
+    async def backends(self) -> list[dict[str, Any]]:
+        return [dict(b, role="colocated", replica="local") for b in self.engine.engine.backends()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("settings", nargs="*", help="key=value settings of cluster/config.py")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    args = parser.parse_args(argv)
+    settings = dict(s.split("=", 1) for s in args.settings)
+    settings.setdefault("model", args.model)
+    config = parse_cluster_args(settings)
+    client = LocalEngineClient(config)
+    app = build_openai_app(client, max_body_bytes=config.max_body_bytes, served_model_name=client.model_name,
+                           request_timeout_s=config.request_timeout_s, block_size=config.cache.block_size)
+    import uvicorn
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
