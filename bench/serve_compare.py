@@ -1,0 +1,135 @@
+"""Disaggregated against colocated serving on one machine, with the cost of Ray measured too.
+
+Three deployments of the same model, each driven by bench/serve.py with the same workload:
+  local       the OpenAI server over one in-process engine (no Ray): the anchor
+  colocated   the Ray Serve application with prefill_replicas=0 (decode prefills everything)
+  disagg      the Ray Serve application, 1 prefill + 1 decode replica, KV over ``kv_transfer``
+Each runs a latency probe (one request at a time: TTFT with no queueing) and a load run
+(``--concurrency`` requests in flight). TTFT added by Ray = colocated - local (probe medians);
+TTFT added by disaggregation = disagg - colocated (probe medians); plus throughput and goodput.
+
+    python bench/serve_compare.py --out bench/results/serve-cpu-<date>.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import environment  # noqa: E402
+from bench.serve import BenchConfig, run_benchmark  # noqa: E402
+
+try:
+    import httpx
+except ImportError:
+    import httpx2 as httpx  # type: ignore[no-redef]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(url)
+
+
+def start(kind: str, model: str, port: int, backend: str) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    settings = [f"model={model}", f"port={port}"]
+    if kind == "local":
+        cmd = [sys.executable, "-m", "cluster.api.local_server", *settings, "--port", str(port)]
+    else:
+        extra = ["prefill_replicas=0"] if kind == "colocated" else [f"kv_transfer={backend}"]
+        cmd = ["serve", "run", "cluster.app", *settings, *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    for sig, wait in ((signal.SIGINT, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    port = args.port
+    url = f"http://127.0.0.1:{port}"
+    proc = start(kind, args.model, port, args.kv_transfer)
+    try:
+        wait_healthy(url, proc)
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        common = dict(base_url=url, model=model, input_len=args.input_len, output_len=args.output_len,
+                      input_len_range=0.5, ttft_target_s=args.ttft_target_s, itl_target_s=args.itl_target_s,
+                      seed=args.seed, warmup=2)
+        probe = run_benchmark(BenchConfig(**common, num_requests=args.probe_requests, concurrency=1,
+                                          label=f"{kind}-probe"))
+        load = run_benchmark(BenchConfig(**common, num_requests=args.num_requests, concurrency=args.concurrency,
+                                         label=f"{kind}-load"))
+        for result in (probe, load):
+            result.pop("requests", None)
+        print(f"{kind}: probe TTFT p50 {probe['ttft_s']['p50']:.3f}s, load {load['output_token_throughput_tps']:.1f} tok/s")
+        return {"probe": probe, "load": load}
+    finally:
+        stop(proc)
+        time.sleep(3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--kv-transfer", default="ipc")
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--probe-requests", type=int, default=10)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--ttft-target-s", type=float, default=2.0)
+    parser.add_argument("--itl-target-s", type=float, default=0.25)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=f"bench/results/serve-cpu-{datetime.date.today()}.json")
+    args = parser.parse_args()
+    runs = {kind: run_one(kind, args) for kind in ("local", "colocated", "disagg")}
+    p50 = {k: v["probe"]["ttft_s"]["p50"] for k, v in runs.items()}
+    summary = {
+        "ttft_p50_probe_s": p50,
+        "ttft_added_by_ray_s": p50["colocated"] - p50["local"],
+        "ttft_added_by_disaggregation_s": p50["disagg"] - p50["colocated"],
+        "load_output_tok_s": {k: v["load"]["output_token_throughput_tps"] for k, v in runs.items()},
+        "load_goodput_rps": {k: v["load"]["goodput_rps"] for k, v in runs.items()},
+        "load_ttft_p50_s": {k: v["load"]["ttft_s"]["p50"] for k, v in runs.items()},
+        "load_itl_p50_s": {k: v["load"]["itl_s"]["p50"] for k, v in runs.items()},
+    }
+    result = {"benchmark": "serve-disagg-vs-colocated", "model": args.model, "kv_transfer": args.kv_transfer,
+              "command": " ".join(sys.argv), "environment": environment(), "summary": summary, "runs": runs,
+              "note": "one machine: prefill and decode replicas share its CPU cores, so disaggregation here "
+                      "measures its overheads (transfer, extra hops), not the interference it removes on GPUs"}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
