@@ -27,7 +27,8 @@ def apply_top_k_top_p_min_p_ref(logits: torch.Tensor, top_k: torch.Tensor | None
     if top_p is not None:
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
-        drop |= before > top_p[:, None].to(logits.device)
+        p = top_p[:, None].to(logits.device)
+        drop |= (before > p) & (p < 1.0)  # float32 sums can pass 1: top_p == 1 keeps everything
         drop[:, 0] = False  # always keep the most likely token
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 

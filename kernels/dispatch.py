@@ -1,0 +1,250 @@
+"""Kernel dispatch: one table of implementations per op, resolved per (op, weight format, device
+capability, role) at start-up, refusing whatever the device cannot run.
+
+Implementations (``REGISTRY``):
+- ``torch``: the pure-torch references; run everywhere (CPU and any GPU).
+- ``triton``: the Triton kernels; need CUDA and sm_80+. They contain no wgmma/tcgen05-specific
+  code and pick tiles that fit 99 KB of shared memory, so they run on sm_90 and sm_120. fp8
+  weights run on every sm_80+ device: decoded by the hardware e4m3 conversion on sm_89+ and by
+  integer bit operations (slower) on sm_80/86; MXFP4/NVFP4 are decoded in registers everywhere.
+- ``flashinfer_trtllm``: an external MoE kernel (MXFP4/NVFP4) built only for sm_100 and not
+  installed in this build. It is registered so that choosing it for another architecture (the
+  founding failure: an sm_100-only MoE kernel picked for an sm_120 MTP draft) is refused here,
+  with a clear message, instead of crashing at run time.
+
+Resolution: ``override="auto"`` picks the highest-priority implementation the device can run;
+an explicit override the device cannot run raises :class:`KernelUnavailableError` naming the op,
+format, role, device and reason. An explicit override never falls back silently.
+
+Overrides per role (:func:`override_for`): attention (and the KV-cache write) follow
+``attention_backend`` for both roles; MoE follows ``moe_backend`` for the main model and
+``draft_moe_backend`` for the draft, which inherits ``moe_backend`` only when it is itself
+``"auto"`` (then an inherited explicit choice is as strict as a direct one). Other ops resolve
+``auto``.
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Capability = tuple[int, int] | None
+OPS = ("attention", "kv_cache_write", "moe", "rms_norm", "rotary", "silu_and_mul", "sampling")
+ROLES = ("main", "draft")
+WEIGHT_FORMATS = ("bf16", "fp8_block", "mxfp4", "nvfp4")
+#: Formats each op accepts ("bf16" = unquantized, whatever the float dtype).
+OP_FORMATS: dict[str, tuple[str, ...]] = {op: ("bf16",) for op in OPS} | {"moe": WEIGHT_FORMATS}
+
+
+class KernelUnavailableError(RuntimeError):
+    """A kernel was requested (or is needed) that this device cannot run."""
+
+
+@dataclass(frozen=True)
+class KernelImpl:
+    """One implementation of an op. ``capabilities`` (exact archs) is for builds that exist only
+    for some architectures; ``min_capability`` for portable GPU code."""
+
+    name: str
+    op: str
+    formats: tuple[str, ...]
+    load: Callable[[], Callable[..., Any]]
+    priority: int
+    needs_cuda: bool = False
+    min_capability: tuple[int, int] | None = None
+    capabilities: tuple[tuple[int, int], ...] | None = None
+    installed: Callable[[], bool] = field(default=lambda: True)
+    requirement: str = ""
+
+    def refusal(self, fmt: str, capability: Capability) -> str | None:
+        """Why this implementation cannot run ``fmt`` on ``capability``; None if it can."""
+        reasons = []
+        if fmt not in self.formats:
+            reasons.append(f"it does not support format {fmt} (supports {', '.join(self.formats)})")
+        if self.needs_cuda and capability is None:
+            reasons.append("it needs a CUDA GPU and this device is the CPU")
+        elif self.capabilities is not None and capability not in self.capabilities:
+            archs = ", ".join(sm_name(c) for c in self.capabilities)
+            reasons.append(f"it is built only for {archs}")
+        elif self.min_capability is not None and capability is not None \
+                and capability < self.min_capability:
+            reasons.append(f"it needs {sm_name(self.min_capability)} or newer")
+        if not self.installed():
+            reasons.append(f"it is not installed{f' ({self.requirement})' if self.requirement else ''}")
+        return "; ".join(reasons) or None
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    op: str
+    fmt: str
+    role: str
+    impl_name: str
+    fn: Callable[..., Any]
+    reason: str
+    capability: Capability = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, for the start-up log and the HTTP endpoint."""
+        return {"op": self.op, "format": self.fmt, "role": self.role, "impl": self.impl_name,
+                "device": sm_name(self.capability), "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """A model component that needs a kernel; ``override_flag`` names the setting the override
+    came from (for messages)."""
+
+    name: str
+    op: str
+    fmt: str = "bf16"
+    role: str = "main"
+    override: str = "auto"
+    override_flag: str | None = None
+
+
+def sm_name(capability: Capability) -> str:
+    return "cpu" if capability is None else f"sm_{capability[0]}{capability[1]}"
+
+
+def device_capability(device: torch.device | str | None) -> Capability:
+    """``(major, minor)`` of a CUDA device, None for the CPU."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _from(module: str, name: str) -> Callable[[], Callable[..., Any]]:
+    def load() -> Callable[..., Any]:
+        return getattr(importlib.import_module(module), name)
+    return load
+
+
+def _not_integrated() -> Callable[..., Any]:
+    raise KernelUnavailableError("flashinfer_trtllm has no integration in this build")
+
+
+def _build_registry() -> dict[str, list[KernelImpl]]:
+    refs = {"attention": ("kernels.attention", "paged_attention_ref"),
+            "kv_cache_write": ("kernels.attention", "write_kv_cache"),
+            "moe": ("kernels.moe", "fused_moe_ref"), "rms_norm": ("kernels.norm", "rms_norm_ref"),
+            "rotary": ("kernels.rotary", "apply_rotary_ref"),
+            "silu_and_mul": ("kernels.activation", "silu_and_mul_ref"),
+            "sampling": ("kernels.sampling", "apply_top_k_top_p_min_p_ref")}
+    tritons = {"attention": ("kernels.triton_attention", "paged_attention_triton"),
+               "kv_cache_write": ("kernels.triton_attention", "write_kv_cache_triton"),
+               "moe": ("kernels.triton_moe", "fused_moe_triton"),
+               "rms_norm": ("kernels.triton_norm", "rms_norm_triton"),
+               "rotary": ("kernels.triton_rotary", "apply_rotary_triton"),
+               "silu_and_mul": ("kernels.triton_activation", "silu_and_mul_triton"),
+               "sampling": ("kernels.triton_sampling", "apply_top_k_top_p_min_p_triton")}
+    registry: dict[str, list[KernelImpl]] = {}
+    for op in OPS:
+        registry[op] = [
+            KernelImpl("torch", op, OP_FORMATS[op], _from(*refs[op]), priority=0),
+            KernelImpl("triton", op, OP_FORMATS[op], _from(*tritons[op]), priority=50,
+                       needs_cuda=True, min_capability=(8, 0), installed=_has_triton,
+                       requirement="pip install triton"),
+        ]
+    registry["moe"].append(KernelImpl(
+        "flashinfer_trtllm", "moe", ("mxfp4", "nvfp4"), lambda: _not_integrated, priority=100,
+        needs_cuda=True, capabilities=((10, 0),), installed=lambda: False,
+        requirement="an sm_100 flashinfer build; no integration in this build"))
+    return registry
+
+
+REGISTRY: dict[str, list[KernelImpl]] = _build_registry()
+
+
+def _check(op: str, fmt: str, role: str) -> None:
+    if op not in REGISTRY:
+        raise KernelUnavailableError(f"unknown op {op!r}; known: {', '.join(REGISTRY)}")
+    if fmt not in OP_FORMATS[op]:
+        raise KernelUnavailableError(
+            f"op {op!r} has no format {fmt!r} (role {role}); formats: {', '.join(OP_FORMATS[op])}")
+    if role not in ROLES:
+        raise KernelUnavailableError(f"unknown role {role!r} for op {op!r}; roles: {ROLES}")
+
+
+def resolve(op: str, *, fmt: str = "bf16", capability: Capability, role: str = "main",
+            override: str = "auto", override_flag: str | None = None) -> KernelChoice:
+    """The implementation of ``op`` for weights in ``fmt`` on ``capability`` (None: CPU)."""
+    _check(op, fmt, role)
+    impls = REGISTRY[op]
+    where = f"op {op!r} (format {fmt}, role {role}) on device {sm_name(capability)}"
+    runnable = sorted((i for i in impls if i.refusal(fmt, capability) is None),
+                      key=lambda i: -i.priority)
+    if override == "auto":
+        if not runnable:
+            raise KernelUnavailableError(f"no kernel can run {where}")
+        chosen = runnable[0]
+        skipped = [f"{i.name}: {i.refusal(fmt, capability)}" for i in impls
+                   if i.priority > chosen.priority and fmt in i.formats]
+        reason = f"auto: best runnable on {sm_name(capability)}"
+        if skipped:
+            reason += " (skipped " + "; ".join(skipped) + ")"
+        return KernelChoice(op, fmt, role, chosen.name, chosen.load(), reason, capability)
+    by_name = {i.name: i for i in impls}
+    flag = f" (set by {override_flag})" if override_flag else ""
+    alternatives = ", ".join(["auto"] + [i.name for i in runnable])
+    if override not in by_name:
+        raise KernelUnavailableError(
+            f"unknown kernel {override!r}{flag} for {where}; known: {', '.join(by_name)}; "
+            f"runnable here: {alternatives}")
+    refusal = by_name[override].refusal(fmt, capability)
+    if refusal is not None:
+        raise KernelUnavailableError(
+            f"kernel {override!r}{flag} cannot run {where}: {refusal}. "
+            f"Choose one of: {alternatives}")
+    return KernelChoice(op, fmt, role, override, by_name[override].load(),
+                        f"override {override!r}{flag}", capability)
+
+
+def override_for(op: str, role: str, *, attention_backend: str = "auto", moe_backend: str = "auto",
+                 draft_moe_backend: str = "auto") -> tuple[str, str | None]:
+    """The override that applies to ``op`` for ``role`` and the setting it comes from (module
+    docstring): the draft's MoE inherits ``moe_backend`` only when ``draft_moe_backend`` is auto."""
+    if op in ("attention", "kv_cache_write"):
+        return attention_backend, "attention_backend"
+    if op == "moe":
+        if role == "draft" and draft_moe_backend != "auto":
+            return draft_moe_backend, "draft_moe_backend"
+        if role == "draft" and moe_backend != "auto":
+            return moe_backend, "moe_backend (inherited by the draft: draft_moe_backend is auto)"
+        return moe_backend, "moe_backend"
+    return "auto", None
+
+
+def resolve_components(specs: Sequence[ComponentSpec | tuple[str, str, str, str, str]],
+                       capability: Capability) -> dict[str, KernelChoice]:
+    """Resolve every component at start-up; refuses with one error listing every component the
+    device cannot serve."""
+    choices: dict[str, KernelChoice] = {}
+    errors: list[str] = []
+    for spec in specs:
+        if not isinstance(spec, ComponentSpec):
+            spec = ComponentSpec(*spec)
+        try:
+            choices[spec.name] = resolve(spec.op, fmt=spec.fmt, capability=capability,
+                                         role=spec.role, override=spec.override,
+                                         override_flag=spec.override_flag)
+        except KernelUnavailableError as e:
+            errors.append(f"{spec.name}: {e}")
+    if errors:
+        raise KernelUnavailableError("kernel selection failed:\n  " + "\n  ".join(errors))
+    return choices
+
+
+def resolve_all(specs: Sequence[ComponentSpec | tuple[str, str, str, str, str]],
+                capability: Capability) -> list[dict[str, Any]]:
+    """:func:`resolve_components` as a table (one dict per component), for logs and endpoints."""
+    return [{"component": name, **choice.as_dict()}
+            for name, choice in resolve_components(specs, capability).items()]

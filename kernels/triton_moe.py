@@ -1,0 +1,239 @@
+"""Fused MoE in Triton: align pairs to experts, then two grouped GEMMs with weights of any
+``kernels.quant`` format dequantized in registers (no dequantized copy in memory).
+
+1. Alignment of (token, slot) pairs to experts (``kernels.triton_moe_align``).
+2. ``w13`` GEMM + SwiGLU: each program takes one expert block of ``BLOCK_M`` pairs and
+   ``BLOCK_N`` intermediate columns, computes the gate and the up projections of those columns,
+   applies the activation and writes ``act [P, I]`` (rows in pair order).
+3. ``w2`` GEMM: ``act`` rows times the expert's ``w2``, scaled by the pair's routing weight,
+   written to ``partial [P, H]`` float32.
+4. A token's ``top_k`` partials are summed and cast to the activation dtype.
+Four launches, no host synchronization (CUDA-graph safe once autotuned). Grid axis 0 runs over N
+tiles, so the programs sharing an expert block (and its activation rows) run together.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe import MoEWeight
+from kernels.quant import QuantizedWeight
+from kernels.triton_moe_align import moe_align
+from kernels.triton_quant import FMT_CODES, fp8_row_scale, load_weight_tile
+from kernels.triton_support import INTERPRET, PORTABLE_DECODE, autotune_configs
+
+
+def _gemm_configs() -> list[triton.Config]:
+    shapes = [(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 8, 3),
+              (128, 128, 8, 3)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+            for n, k, w, s in shapes]
+
+
+def _prune(configs: list[triton.Config], named_args: dict[str, Any],
+           **kwargs: Any) -> list[triton.Config]:
+    """fp8_block tiles must sit inside one 128-column scale block; 256-deep K tiles only for fp4
+    (shared memory); 128-wide N tiles only for M blocks above 16 rows (decode needs programs)."""
+    fmt, block_m = kwargs["FMT"], kwargs["BLOCK_M"]
+    kept = [c for c in configs
+            if not (fmt == 1 and c.kwargs["BLOCK_K"] > 128)
+            and not (fmt == 0 and c.kwargs["BLOCK_K"] > 128)
+            and not (block_m <= 16 and c.kwargs["BLOCK_N"] > 64)]
+    return kept or configs[:1]
+
+
+_INTERPRETED = triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4, num_stages=1)
+_KEY = ["N", "K", "BLOCK_M", "FMT"]
+
+
+@triton.jit
+def _expert_matmul(a_ptr, a_rows, stride_at, m_mask, w_base, s_base, rows, n_mask, K, stride_wn,
+                   stride_sn, FMT: tl.constexpr, SCALE_UE8M0: tl.constexpr, UPCAST: tl.constexpr,
+                   FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    """``a[a_rows] @ w[rows].T`` over all of K: ``[BLOCK_M, BLOCK_N]`` float32, every scale
+    applied except the nvfp4 global one."""
+    acc = tl.zeros([BLOCK_M, rows.shape[0]], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a_mask = m_mask[:, None] if EVEN_K else m_mask[:, None] & (offs_k < K)[None, :]
+        a = tl.load(a_ptr + a_rows[:, None] * stride_at + offs_k[None, :], mask=a_mask, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+        w = load_weight_tile(w_base, s_base, rows, n_mask, k0, K, stride_wn, stride_sn, FMT,
+                             BLOCK_K, EVEN_K, FAST)
+        if FMT == 1:
+            scale = fp8_row_scale(s_base, rows, n_mask, k0, stride_sn, SCALE_UE8M0)
+            acc += tl.dot(a, tl.trans(w.to(a.dtype))) * scale[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+    return acc
+
+
+@triton.autotune(configs=autotune_configs(_gemm_configs(), _INTERPRETED), key=_KEY,
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _w13_swiglu_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, num_pairs, top_k, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_gs,
+    stride_ot, clamp, FMT: tl.constexpr, SCALE_UE8M0: tl.constexpr, HAS_CLAMP: tl.constexpr,
+    UPCAST: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """``out[p, n] = swiglu(x[p // top_k] @ w13[e].T)[n]`` for ``N = I`` columns."""
+    pid_m = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    gate = _expert_matmul(x_ptr, tokens, stride_xt, m_mask, w_base, s_base, rows, n_mask, K,
+                          stride_wn, stride_sn, FMT, SCALE_UE8M0, UPCAST, FAST, BLOCK_M, BLOCK_K,
+                          EVEN_K)
+    up = _expert_matmul(x_ptr, tokens, stride_xt, m_mask, w_base, s_base, rows + N, n_mask, K,
+                        stride_wn, stride_sn, FMT, SCALE_UE8M0, UPCAST, FAST, BLOCK_M, BLOCK_K,
+                        EVEN_K)
+    if FMT == 3:
+        g_scale = tl.load(gs_ptr + expert * stride_gs)
+        gate *= g_scale
+        up *= g_scale
+    if HAS_CLAMP:
+        gate = tl.minimum(gate, clamp)
+        up = tl.minimum(tl.maximum(up, -clamp), clamp)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + rows[None, :],
+             act.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.autotune(configs=autotune_configs(_gemm_configs(), _INTERPRETED), key=_KEY,
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _w2_kernel(
+    a_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+    topk_weights_ptr, N, K, num_pairs, stride_at, stride_we, stride_wn, stride_se, stride_sn,
+    stride_gs, stride_ot, FMT: tl.constexpr, SCALE_UE8M0: tl.constexpr, UPCAST: tl.constexpr,
+    FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """``out[p, n] = topk_weight[p] * (act[p] @ w2[e].T)[n]`` for ``N = H`` columns."""
+    pid_m = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pairs < num_pairs
+    pairs64 = pairs.to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    acc = _expert_matmul(a_ptr, pairs64, stride_at, m_mask, w_ptr + expert * stride_we,
+                         s_ptr + expert * stride_se, rows, n_mask, K, stride_wn, stride_sn, FMT,
+                         SCALE_UE8M0, UPCAST, FAST, BLOCK_M, BLOCK_K, EVEN_K)
+    if FMT == 3:
+        acc *= tl.load(gs_ptr + expert * stride_gs)
+    route = tl.load(topk_weights_ptr + pairs64, mask=m_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pairs64[:, None] * stride_ot + rows[None, :], acc * route[:, None],
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_top_k_kernel(partial_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(TOP_K):
+        acc += tl.load(partial_ptr + (token * TOP_K + j) * hidden + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _weight_args(w: MoEWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, bool]:
+    """(data, scale, global scale, its expert stride, format code, ue8m0?) for the kernels; fp8
+    tensors viewed as bytes, absent tensors replaced by the data (never read)."""
+    if isinstance(w, torch.Tensor):
+        w = QuantizedWeight("bf16", w)
+    data = w.data.view(torch.uint8) if w.data.dtype == torch.float8_e4m3fn else w.data
+    if data.stride(-1) != 1:
+        raise ValueError("expert weights must be contiguous along K")
+    scale = data if w.scale is None else w.scale
+    scale = scale.view(torch.uint8) if scale.dtype == torch.float8_e4m3fn else scale
+    g = data if w.global_scale is None else w.global_scale
+    g_stride = g.stride(0) if w.global_scale is not None and g.dim() > 0 else 0
+    return data, scale, g, g_stride, FMT_CODES[w.fmt], w.fmt == "fp8_block" and scale.dtype == torch.uint8
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _fast_decode(fmt: int, device: torch.device) -> bool:
+    """Hardware/PTX decoders (``kernels.triton_quant``): on CUDA; formats with e4m3 bytes (fp8
+    weights, nvfp4 scales) need sm_89+."""
+    if INTERPRET or PORTABLE_DECODE or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return fmt == FMT_CODES["mxfp4"] or _capability(index) >= (8, 9)
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    per_expert = num_pairs / max(num_experts, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def fused_moe_triton(x: torch.Tensor, w13: MoEWeight, w2: MoEWeight, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
+    """``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (float tensors or QuantizedWeight of
+    any format), ``topk_weights [T, k]``, ``topk_ids [T, k]`` -> ``[T, H]`` in ``x``'s dtype.
+    Same semantics as :func:`kernels.moe.fused_moe_ref`; no host synchronization."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_inter = w13.shape[0], w13.shape[1]
+    inter = two_inter // 2
+    if tuple(w13.shape) != (num_experts, 2 * inter, hidden) or tuple(w2.shape) != (
+            num_experts, hidden, inter):
+        raise ValueError(f"expected w13 [E, 2I, H] and w2 [E, H, I], got {tuple(w13.shape)} and "
+                         f"{tuple(w2.shape)} for x {tuple(x.shape)}")
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_m = _block_m(num_pairs, num_experts)
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, block_m)
+    num_blocks = expert_ids.shape[0]
+    weights = topk_weights.reshape(-1).float()  # [P]
+
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
+    d13, s13, g13, gs13, fmt13, ue13 = _weight_args(w13)
+    _w13_swiglu_kernel[lambda m: (triton.cdiv(inter, m["BLOCK_N"]), num_blocks)](
+        x, d13, s13, g13, act, sorted_ids, expert_ids, num_padded,
+        inter, hidden, num_pairs, top_k, x.stride(0), d13.stride(0), d13.stride(1),
+        s13.stride(0), s13.stride(1) if s13.dim() > 1 else 0, gs13, act.stride(0),
+        clamp if clamp is not None else 0.0,
+        FMT=fmt13, SCALE_UE8M0=ue13, HAS_CLAMP=clamp is not None, UPCAST=INTERPRET,
+        FAST=_fast_decode(fmt13, x.device), BLOCK_M=block_m,
+    )
+    partial = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)  # [P, H]
+    d2, s2, g2, gs2, fmt2, ue2 = _weight_args(w2)
+    _w2_kernel[lambda m: (triton.cdiv(hidden, m["BLOCK_N"]), num_blocks)](
+        act, d2, s2, g2, partial, sorted_ids, expert_ids, num_padded, weights,
+        hidden, inter, num_pairs, act.stride(0), d2.stride(0), d2.stride(1),
+        s2.stride(0), s2.stride(1) if s2.dim() > 1 else 0, gs2, partial.stride(0),
+        FMT=fmt2, SCALE_UE8M0=ue2, UPCAST=INTERPRET, FAST=_fast_decode(fmt2, x.device),
+        BLOCK_M=block_m,
+    )
+    out = torch.empty_like(x)
+    block = min(triton.next_power_of_2(hidden), 1024)
+    _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block))](partial, out, hidden, TOP_K=top_k,
+                                                               BLOCK=block, num_warps=4)
+    return out

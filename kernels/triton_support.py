@@ -1,0 +1,44 @@
+"""What every Triton kernel module shares: whether kernels run under the CPU interpreter
+(``TRITON_INTERPRET=1``), autotune config lists that collapse to one config there, and device
+facts (multiprocessor count) used by launch heuristics.
+
+Under the interpreter, bf16 arithmetic and ``tl.dot`` on bf16 are unreliable, so kernels take an
+``UPCAST`` constexpr (``INTERPRET``) and compute in float32 when it is set. The environment
+variable must be set before this module is first imported.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+#: ``PD_KERNELS_PORTABLE_DECODE=1`` turns off the inline-PTX / hardware weight decoders of
+#: ``kernels.triton_quant`` (a debugging switch: the portable decoders are slower, same results).
+PORTABLE_DECODE: bool = os.environ.get("PD_KERNELS_PORTABLE_DECODE") == "1"
+
+
+def autotune_configs(configs: list[triton.Config], interpreted: triton.Config) -> list[triton.Config]:
+    """The configs to autotune over: ``configs`` on a GPU, exactly ``interpreted`` under the
+    interpreter (where benchmarking is meaningless and every config costs test time)."""
+    return [interpreted] if INTERPRET else configs
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; a small fixed number on CPU (interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    """Kernels vectorize along the last dim; other dims may be strided views."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {tuple(t.stride())}")

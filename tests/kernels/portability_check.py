@@ -1,0 +1,138 @@
+"""Compile every Triton kernel for sm_90 and sm_120 at real shapes, without a GPU, and print one
+JSON line per (kernel, arch): shared memory per block, or the compile error. The decode-shaped
+MoE kernels are also built for sm_89 (hardware fp8 decode) and, for MXFP4, sm_80.
+
+Run as a script in a process without ``TRITON_INTERPRET`` (test_portability.py does), or by hand:
+``python -m tests.kernels.portability_check``. Arguments are ``meta`` tensors: only dtypes and
+alignment matter. Each autotuned kernel is compiled with the config that needs the least shared
+memory (the one sm_120 can always fall back on) and, on sm_90, also with the largest."""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from tests.kernels.aot import compile_for
+
+ARCHS = [(9, 0), (12, 0)]
+
+
+def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
+    from kernels import (triton_activation, triton_attention, triton_attention_decode,
+                         triton_attention_prefill, triton_moe, triton_moe_align, triton_norm,
+                         triton_rotary, triton_sampling)
+    i32, f32, u8 = torch.int32, torch.float32, torch.uint8
+    q, cache = _t(64, 32, 128), _t(4096, 16, 8, 128)
+    table, lens, part = _t(64, 300, dtype=i32), _t(64, dtype=i32), _t(64, 32, 8, 128, dtype=f32)
+    strides = (2048 * 16, 256, 16) * 2
+    yield ("decode", triton_attention_decode._decode_split_kernel,
+           (q, cache, cache, table, lens, q, part, part, 4096, 128, *strides, 300, 4096, 128, 0.1, 0),
+           dict(NUM_Q_HEADS=32, GQA=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16,
+                NUM_SPLITS=8, HAS_WINDOW=False, UPCAST=False))
+    yield ("decode_merge", triton_attention_decode._decode_merge_kernel,
+           (part, part, q, 4096, 128),
+           dict(NUM_Q_HEADS=32, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, BLOCK_S=8, num_warps=4))
+    yield ("prefill", triton_attention_prefill._prefill_kernel,
+           (q, cache, cache, q, _t(65, dtype=i32), lens, table, 4096, 128, *strides, 300, 4096,
+            128, 0.1, 0, 4096),
+           dict(GQA=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, HAS_WINDOW=True, UPCAST=False))
+    yield ("write_kv", triton_attention._write_kv_kernel,
+           (q, q, cache, cache, _t(64, dtype=torch.int64), 1024, 128, 1024, 128, *strides),
+           dict(NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, num_warps=4))
+    x = _t(512, 4096)
+    yield ("rms_norm", triton_norm._rms_norm_kernel, (x, x, _t(4096), x, x, 4096, 4096, 4096,
+                                                      4096, 4096, 1e-6),
+           dict(HAS_RESIDUAL=True, BLOCK=4096, num_warps=16))
+    yield ("rotary", triton_rotary._rotary_kernel,
+           (q, _t(64, 64, dtype=f32), _t(64, 64, dtype=f32), q, 4096, 128, 4096, 128, 64, 64, 32,
+            128), dict(HALF=32, BLOCK_HALF=32, BLOCK_H=32, INTERLEAVED=True, HAS_REST=True,
+                       BLOCK_REST=64, num_warps=4))
+    yield ("silu_and_mul", triton_activation._silu_and_mul_kernel,
+           (x, x, 4096, 2048, 2048, 10.0), dict(HAS_CLAMP=True, BLOCK=2048, num_warps=4))
+    logits = _t(64, 151936, dtype=f32)
+    yield ("sampling", triton_sampling._filter_kernel,
+           (logits, logits, _t(64, dtype=i32), _t(64, dtype=f32), _t(64, dtype=f32), 151936,
+            151936, 151936), dict(HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, BLOCK=4096,
+                                  num_warps=8))
+    ids = _t(4096, dtype=i32)
+    yield ("moe_align", triton_moe_align._align_kernel, (ids, ids, ids, ids, ids, 384, 280),
+           dict(NUM_EXPERTS=256, BLOCK_E=256, BLOCK_P=64, BLOCK_M=16, num_warps=8))
+    yield from _moe_cases(triton_moe)
+
+
+def _moe_cases(triton_moe: Any) -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
+    hidden, inter, experts = 4096, 2048, 256
+    ids, g, route = _t(8192, dtype=torch.int32), _t(experts, dtype=torch.float32), _t(384, dtype=torch.float32)
+    act, x, partial = _t(384, inter), _t(64, hidden), _t(384, hidden, dtype=torch.float32)
+    for fmt, code in (("bf16", 0), ("fp8_block", 1), ("mxfp4", 2), ("nvfp4", 3)):
+        packed = 2 if fmt in ("mxfp4", "nvfp4") else 1
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.uint8
+        w13, w2 = _t(experts, 2 * inter, hidden // packed, dtype=dtype), _t(experts, hidden, inter // packed, dtype=dtype)
+        group = {"fp8_block": 128, "mxfp4": 32, "nvfp4": 16}.get(fmt, 1)
+        if fmt == "fp8_block":
+            s13, s2 = _t(experts, 32, 32, dtype=torch.float32), _t(experts, 32, 16, dtype=torch.float32)
+        elif fmt == "bf16":
+            s13, s2 = w13, w2
+        else:
+            s13, s2 = _t(experts, 2 * inter, hidden // group, dtype=torch.uint8), _t(experts, hidden, inter // group, dtype=torch.uint8)
+        for block_m in (16, 64):
+            common = dict(FMT=code, SCALE_UE8M0=False, UPCAST=False, FAST=code != 0, BLOCK_M=block_m,
+                          EVEN_K=True)
+            archs = ARCHS
+            if block_m == 16 and code:
+                archs = ARCHS + [(8, 9)] + ([(8, 0)] if fmt == "mxfp4" else [])
+            common["archs"] = archs
+            yield (f"moe_w13_{fmt}_m{block_m}", triton_moe._w13_swiglu_kernel,
+                   (x, w13, s13, g, act, ids, ids, ids, inter, hidden, 384, 6, hidden, w13.stride(0),
+                    w13.stride(1), s13.stride(0), s13.stride(1), 1, inter, 7.0),
+                   dict(common, HAS_CLAMP=True))
+            yield (f"moe_w2_{fmt}_m{block_m}", triton_moe._w2_kernel,
+                   (act, w2, s2, g, partial, ids, ids, ids, route, hidden, inter, 384, inter, w2.stride(0),
+                    w2.stride(1), s2.stride(0), s2.stride(1), 1, hidden), common)
+    yield ("moe_sum_top_k", triton_moe._sum_top_k_kernel, (partial, x, hidden),
+           dict(TOP_K=6, BLOCK=1024, num_warps=4))
+
+
+def _configs(kernel: Any, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Launch options to try: none for plain kernels; for autotuned ones the surviving configs
+    (after the kernel's own pruning), smallest tiles first."""
+    configs = getattr(kernel, "configs", None)
+    if configs is None:
+        return [{}]
+    prune: Callable[..., Any] | None = getattr(kernel, "early_config_prune", None)
+    if prune is not None:
+        configs = prune(configs, {}, **kwargs)
+    opts = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
+    size = lambda o: o.get("num_stages", 1) * sum(v for k, v in o.items() if k.startswith("BLOCK"))
+    opts.sort(key=size)
+    return [opts[0], opts[-1]] if len(opts) > 1 else opts
+
+
+def main() -> None:
+    only = set(sys.argv[1:])
+    for name, kernel, args, kwargs in _cases():
+        if only and name not in only:
+            continue
+        archs = kwargs.pop("archs", ARCHS)
+        for arch in archs:
+            configs = _configs(kernel, kwargs)
+            for opts in configs if arch == (9, 0) else configs[:1]:
+                record: dict[str, Any] = {"kernel": name, "arch": f"sm_{arch[0]}{arch[1]}",
+                                          "config": opts}
+                try:
+                    compiled = compile_for(kernel, arch, *args, **kwargs, **opts)
+                    record["shared"] = compiled.metadata.shared
+                except Exception as e:  # report every failure, keep compiling the rest
+                    record["error"] = f"{type(e).__name__}: {str(e)[-400:]}"
+                print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()
