@@ -25,6 +25,7 @@ Overrides per role (:func:`override_for`): attention (and the KV-cache write) fo
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,12 +60,13 @@ class KernelImpl:
     installed: Callable[[], bool] = field(default=lambda: True)
     requirement: str = ""
 
-    def refusal(self, fmt: str, capability: Capability) -> str | None:
-        """Why this implementation cannot run ``fmt`` on ``capability``; None if it can."""
+    def refusal(self, fmt: str, capability: Capability, interpreted: bool = False) -> str | None:
+        """Why this implementation cannot run ``fmt`` on ``capability``; None if it can.
+        ``interpreted``: CUDA-only Triton code may run on the CPU in Triton's interpreter."""
         reasons = []
         if fmt not in self.formats:
             reasons.append(f"it does not support format {fmt} (supports {', '.join(self.formats)})")
-        if self.needs_cuda and capability is None:
+        if self.needs_cuda and capability is None and not (interpreted and self.name == "triton"):
             reasons.append("it needs a CUDA GPU and this device is the CPU")
         elif self.capabilities is not None and capability not in self.capabilities:
             archs = ", ".join(sm_name(c) for c in self.capabilities)
@@ -116,6 +118,10 @@ def device_capability(device: torch.device | str | None) -> Capability:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_capability(device)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _has_triton() -> bool:
@@ -199,7 +205,9 @@ def resolve(op: str, *, fmt: str = "bf16", capability: Capability, role: str = "
         raise KernelUnavailableError(
             f"unknown kernel {override!r}{flag} for {where}; known: {', '.join(by_name)}; "
             f"runnable here: {alternatives}")
-    refusal = by_name[override].refusal(fmt, capability)
+    # An explicit "triton" on the CPU runs in Triton's interpreter when it is on (tests); "auto"
+    # never picks the interpreter.
+    refusal = by_name[override].refusal(fmt, capability, interpreted=_interpreting())
     if refusal is not None:
         raise KernelUnavailableError(
             f"kernel {override!r}{flag} cannot run {where}: {refusal}. "

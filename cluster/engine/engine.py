@@ -52,9 +52,14 @@ class LLMEngine:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(model_config.seed)
-        self.loaded = loaded or load_model(model_config.model, self.device, self.dtype)
+        self.loaded = loaded or load_model(model_config.model, self.device, self.dtype, {
+            "attention_backend": model_config.attention_backend, "moe_backend": model_config.moe_backend,
+            "draft_moe_backend": model_config.draft_moe_backend})
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
+        for choice in self.backends():
+            logger.info("kernel for %s: %s (%s, %s role, %s format): %s", choice["component"], choice["impl"],
+                        choice["device"], choice["role"], choice["format"], choice["reason"])
         self.scheduler_config = self._init_scheduler_config(scheduler_config)
         self._init_kv_cache()
         self.scheduler = Scheduler(self.scheduler_config, self.kv, cache_config.block_size)
@@ -320,8 +325,7 @@ class LLMEngine:
 
     def backends(self) -> list[dict[str, str]]:
         """The implementation chosen for each component (logged at start-up, served at /v1/backends)."""
-        return list(getattr(self.model, "kernel_choices", lambda: [])()) or [
-            {"component": "attention", "op": "attention", "impl": "torch", "device": str(self.device)}]
+        return list(self.model.kernel_choices())
 
     def metrics(self) -> dict[str, float]:
         return {

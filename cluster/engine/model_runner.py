@@ -49,7 +49,8 @@ class ModelRunner:
                               for spec, n, dt in zip(specs, num_blocks, dtypes)]
         else:
             self.kv_caches = kv_allocator(specs, num_blocks, device, dtypes)
-        self.sampler = Sampler(model.vocab_size, seed, device)
+        ops = getattr(model, "ops", None)
+        self.sampler = Sampler(model.vocab_size, seed, device, *((ops.sampling,) if ops is not None else ()))
 
     @torch.inference_mode()
     def forward(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]

@@ -7,6 +7,7 @@ output position), so a seeded request gets the same tokens whatever else shares 
 whichever worker (prefill or decode) samples a given position."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +28,10 @@ class SamplingRow:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, seed: int, device: torch.device,
+                 filter_fn: Callable[..., torch.Tensor] = apply_top_k_top_p_min_p_ref) -> None:
         self.vocab_size = vocab_size
+        self.filter_fn = filter_fn
         self.device = device
         self._unseeded = torch.Generator(device=device)
         self._unseeded.manual_seed(seed)
@@ -86,7 +89,7 @@ class Sampler:
             p.top_p < 1.0 for p in params) else None
         min_p = torch.tensor([p.min_p for p in params], device=sub.device) if any(
             p.min_p > 0 for p in params) else None
-        sub = apply_top_k_top_p_min_p_ref(sub, top_k, top_p, min_p)
+        sub = self.filter_fn(sub, top_k, top_p, min_p)
         probs = sub.softmax(-1)
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):

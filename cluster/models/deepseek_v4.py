@@ -27,7 +27,8 @@ from cluster.models.deepseek_v4_config import DeepseekV4Args
 from cluster.models.deepseek_v4_kv import LayerKV, deepseek_v4_kv_specs, layer_kv_layout
 from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head, hc_post, hc_pre
 from cluster.models.deepseek_v4_moe import DeepseekV4MoE
-from cluster.models.deepseek_v4_quant import QuantScheme
+from cluster.models.ops import REFERENCE_OPS, Ops, base_components
+from cluster.models.deepseek_v4_quant import QuantScheme, expert_kernel_format
 from cluster.models.deepseek_v4_weights import load_deepseek_v4_weights
 from cluster.models.layers import Embedding, Linear
 
@@ -44,11 +45,11 @@ class DeepseekV4Block(nn.Module):
     """One decoder layer: hyper-connected attention, then hyper-connected MoE."""
 
     def __init__(self, args: DeepseekV4Args, layer_type: str, hash_routed: bool, kv: LayerKV,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, ops: Ops = REFERENCE_OPS, draft: bool = False) -> None:
         super().__init__()
         self.args = args
         self.attn = DeepseekV4Attention(args, layer_type, kv, dtype)
-        self.ffn = DeepseekV4MoE(args, hash_routed, dtype)
+        self.ffn = DeepseekV4MoE(args, hash_routed, dtype, ops, draft)
         self.attn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         mixes = (2 + args.hc_mult) * args.hc_mult
@@ -72,9 +73,9 @@ class DeepseekV4MTPLayer(DeepseekV4Block):
     head and norm. Kept for speculative decoding; not run by ``DeepseekV4ForCausalLM.forward``
     (its KV groups come with that work)."""
 
-    def __init__(self, args: DeepseekV4Args, layer_type: str, dtype: torch.dtype) -> None:
+    def __init__(self, args: DeepseekV4Args, layer_type: str, dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> None:
         unplaced = LayerKV((-1, -1), (-1, -1), (-1, -1), (-1, -1))
-        super().__init__(args, layer_type, False, unplaced, dtype)
+        super().__init__(args, layer_type, False, unplaced, dtype, ops, draft=True)
         self.e_proj = Linear(args.hidden_size, args.hidden_size, False, dtype)
         self.h_proj = Linear(args.hidden_size, args.hidden_size, False, dtype)
         self.enorm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -84,21 +85,25 @@ class DeepseekV4MTPLayer(DeepseekV4Block):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype) -> None:
+    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.args = args
         self.dtype = dtype
+        self.ops = ops
         # Block size 1 places layers in groups; the real block size only changes block shapes.
         self.kv_layout = layer_kv_layout(args, deepseek_v4_kv_specs(args, 1, "float32"))
         self.embed = Embedding(args.vocab_size, args.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            DeepseekV4Block(args, kind, args.hash_layers[i], self.kv_layout[i], dtype)
+            DeepseekV4Block(args, kind, args.hash_layers[i], self.kv_layout[i], dtype, ops)
             for i, kind in enumerate(args.layer_types))
         self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(args, args.hc_mult)
         self.head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, dtype)
-        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(args, kind, dtype) for kind in args.mtp_layer_types)
+        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(args, kind, dtype, ops) for kind in args.mtp_layer_types)
         self.rope = V4Rope(args)
+
+    def kernel_choices(self) -> list[dict[str, Any]]:
+        return list(self.ops.table)
 
     @property
     def vocab_size(self) -> int:
@@ -129,6 +134,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         load_deepseek_v4_weights(self, weights, total=total, desc=desc)
 
 
-def build_deepseek_v4(config: dict[str, Any], dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Kernels V4 needs: the shared ones, the routed experts' MoE in the main model's expert
+    format, and (with an MTP layer) the draft's MoE in the MTP experts' format."""
+    QuantScheme.from_config(config)  # an unknown format fails here, by name
+    components = base_components() + [("moe", "moe", expert_kernel_format(config, "main"), "main")]
+    if int(config.get("num_nextn_predict_layers") or 0) > 0:
+        components.append(("mtp.moe", "moe", expert_kernel_format(config, "draft"), "draft"))
+    return components
+
+
+def build_deepseek_v4(config: dict[str, Any], dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> DeepseekV4ForCausalLM:
     QuantScheme.from_config(config)  # an unknown quantization format fails before any allocation
-    return DeepseekV4ForCausalLM(DeepseekV4Args.from_hf(config), dtype)
+    return DeepseekV4ForCausalLM(DeepseekV4Args.from_hf(config), dtype, ops)

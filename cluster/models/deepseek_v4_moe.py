@@ -11,8 +11,7 @@ from torch import nn
 
 from cluster.models.deepseek_v4_config import DeepseekV4Args
 from cluster.models.layers import Linear
-from kernels.activation import silu_and_mul_ref
-from kernels.moe import fused_moe_ref
+from cluster.models.ops import REFERENCE_OPS, Ops
 
 
 class Gate(nn.Module):
@@ -57,27 +56,34 @@ class Experts(nn.Module):
 
 
 class SharedExperts(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, clamp: float | None, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, intermediate: int, clamp: float | None, dtype: torch.dtype,
+                 ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.clamp = clamp
+        self.ops = ops
         self.w1 = Linear(hidden, intermediate, False, dtype)
         self.w2 = Linear(intermediate, hidden, False, dtype)
         self.w3 = Linear(hidden, intermediate, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(silu_and_mul_ref(torch.cat([self.w1(x), self.w3(x)], dim=-1), self.clamp))
+        return self.w2(self.ops.silu_and_mul(torch.cat([self.w1(x), self.w3(x)], dim=-1), self.clamp))
 
 
 class DeepseekV4MoE(nn.Module):
-    def __init__(self, args: DeepseekV4Args, hash_routed: bool, dtype: torch.dtype) -> None:
+    """Routed + shared experts. ``draft``: the MTP layer's MoE, whose kernel is resolved for the
+    draft role (its weights may be in another format than the main model's)."""
+
+    def __init__(self, args: DeepseekV4Args, hash_routed: bool, dtype: torch.dtype,
+                 ops: Ops = REFERENCE_OPS, draft: bool = False) -> None:
         super().__init__()
         self.clamp = args.swiglu_limit
+        self.moe_kernel = ops.draft_moe if draft else ops.moe
         self.gate = Gate(args, hash_routed, dtype)
         self.experts = Experts(args, dtype)
         shared = args.moe_intermediate_size * args.n_shared_experts
-        self.shared_experts = SharedExperts(args.hidden_size, shared, self.clamp, dtype) if shared else None
+        self.shared_experts = SharedExperts(args.hidden_size, shared, self.clamp, dtype, ops) if shared else None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        out = fused_moe_ref(x, self.experts.w13, self.experts.w2, weights, ids, self.clamp)
+        out = self.moe_kernel(x, self.experts.w13, self.experts.w2, weights, ids, self.clamp)
         return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -60,6 +60,28 @@ class QuantScheme:
                              "MIXED_PRECISION), mxfp4")
 
 
+def expert_kernel_format(config: dict[str, Any], role: str) -> str:
+    """The format the routed experts of the main model (``role="main"``) or of the MTP layer
+    (``"draft"``) are stored in, as config.json declares it: what their MoE kernel must run."""
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        return "bf16"
+    method = qc.get("quant_method")
+    if method == "fp8":
+        fmt = _fp8_expert_format(qc, config)
+        return "bf16" if fmt == "plain" else fmt
+    if method == "mxfp4":
+        return "mxfp4"
+    if method == "modelopt":
+        if qc.get("quant_algo") != "MIXED_PRECISION":
+            return _MODELOPT_ALGOS.get(str(qc.get("quant_algo")), "bf16")
+        for pattern, entry in (qc.get("quantized_layers") or {}).items():
+            is_mtp = str(pattern).startswith("mtp.")
+            if "experts" in str(pattern) and is_mtp == (role == "draft") and isinstance(entry, dict):
+                return _MODELOPT_ALGOS.get(str(entry.get("quant_algo")), "bf16")
+    return "bf16"
+
+
 def _fp8_expert_format(qc: dict[str, Any], config: dict[str, Any]) -> str:
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ModelLoadError(f"unknown quantization format fp8 fmt={qc.get('fmt')!r} (only e4m3 is supported)")

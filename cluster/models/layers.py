@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.activation import silu_and_mul_ref
-from kernels.norm import rms_norm_ref
-from kernels.rotary import apply_rotary_ref, rope_cos_sin, rope_inv_freq
+from cluster.models.ops import REFERENCE_OPS, Ops
+from kernels.rotary import rope_cos_sin, rope_inv_freq
 
 
 class Linear(nn.Module):
@@ -25,14 +24,15 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return rms_norm_ref(x, self.weight, self.eps, residual)
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Embedding(nn.Module):
@@ -48,26 +48,28 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``."""
 
     def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, object] | None = None,
-                 interleaved: bool = False) -> None:
+                 interleaved: bool = False, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.interleaved = interleaved
+        self.ops = ops
         self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, theta, scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope_cos_sin(self.inv_freq, positions)
-        return (apply_rotary_ref(q, cos, sin, self.interleaved),
-                apply_rotary_ref(k, cos, sin, self.interleaved))
+        return (self.ops.rotary(q, cos, sin, self.interleaved),
+                self.ops.rotary(k, cos, sin, self.interleaved))
 
 
 class GatedMLP(nn.Module):
     """SwiGLU MLP with fused ``gate_up_proj [2 * I, H]``."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
         self.down_proj = Linear(intermediate, hidden, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

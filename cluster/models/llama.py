@@ -14,7 +14,7 @@ from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.context import ForwardContext
 from cluster.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from cluster.models.loader import ParamTarget
-from kernels.attention import paged_attention_ref, write_kv_cache
+from cluster.models.ops import REFERENCE_OPS, Ops, base_components
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,9 @@ class LlamaArgs:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
+        self.ops = ops
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = args.num_heads * args.head_dim
@@ -85,11 +86,11 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias, dtype)
         self.o_proj = Linear(self.q_size, args.hidden_size, args.o_bias, dtype)
         if args.qk_norm:
-            self.q_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps, dtype)
-            self.k_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps, dtype)
+            self.q_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps, dtype, ops)
+            self.k_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps, dtype, ops)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, ops=ops)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -103,18 +104,18 @@ class LlamaAttention(nn.Module):
         layer_cache = ctx.kv_caches[0][:, self.layer_idx]  # [num_blocks, 2, bs, Hkv, D]
         k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
         meta = ctx.attention_metadata(0)
-        write_kv_cache(k_cache, v_cache, meta.slot_mapping, k, v)
-        out = paged_attention_ref(q, k_cache, v_cache, meta, self.scale)
+        self.ops.kv_cache_write(k_cache, v_cache, meta.slot_mapping, k, v)
+        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, args: LlamaArgs, layer_idx: int, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(args, layer_idx, dtype)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, ops)
+        self.self_attn = LlamaAttention(args, layer_idx, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, ops)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype, ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,14 +129,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype) -> None:
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.args = args
         self.dtype = dtype
+        self.ops = ops
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i, dtype) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i, dtype, ops) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, ops)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, dtype)
+
+    @staticmethod
+    def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+        return base_components()
+
+    def kernel_choices(self) -> list[dict[str, Any]]:
+        return list(self.ops.table)
 
     @property
     def vocab_size(self) -> int:

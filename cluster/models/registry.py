@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -13,6 +14,7 @@ from cluster.common.errors import ModelLoadError, UnsupportedArchitectureError
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.context import ForwardContext
 from cluster.models.loader import count_safetensors, iter_safetensors, load_into, read_config
+from cluster.models.ops import Ops, base_components, resolve_ops
 from cluster.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
@@ -31,23 +33,34 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-def _llama_family(config: dict[str, Any], dtype: torch.dtype) -> Any:
+@dataclass(frozen=True)
+class Family:
+    """How to build a family: the kernels it needs (from config.json) and the model itself."""
+
+    components: Callable[[dict[str, Any]], list[tuple[str, str, str, str]]]
+    build: Callable[[dict[str, Any], torch.dtype, Ops], Any]
+
+
+def _llama_build(config: dict[str, Any], dtype: torch.dtype, ops: Ops) -> Any:
     from cluster.models.llama import LlamaArgs, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaArgs.from_hf(config), dtype)
+    return LlamaForCausalLM(LlamaArgs.from_hf(config), dtype, ops)
 
 
-def _deepseek_v4(config: dict[str, Any], dtype: torch.dtype) -> Any:
-    module = importlib.import_module("cluster.models.deepseek_v4")
-    return module.build_deepseek_v4(config, dtype)
+def _v4(name: str) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module("cluster.models.deepseek_v4"), name)(*args)
+    return call
+
+
+LLAMA = Family(lambda config: base_components(), _llama_build)
 
 
 BUILDERS = {
-    "LlamaForCausalLM": _llama_family,
-    "Qwen2ForCausalLM": _llama_family,
-    "Qwen3ForCausalLM": _llama_family,
+    "LlamaForCausalLM": LLAMA,
+    "Qwen2ForCausalLM": LLAMA,
+    "Qwen3ForCausalLM": LLAMA,
+    "DeepseekV4ForCausalLM": Family(_v4("kernel_components"), _v4("build_deepseek_v4")),
 }
-if importlib.util.find_spec("cluster.models.deepseek_v4") is not None:
-    BUILDERS["DeepseekV4ForCausalLM"] = _deepseek_v4
 
 
 @dataclass
@@ -108,7 +121,10 @@ def load_tokenizer(model: str) -> tuple[Tokenizer | None, dict[str, Any]]:
     return tokenizer, config
 
 
-def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_model(model: str, device: torch.device, dtype: torch.dtype,
+               kernel_overrides: dict[str, str] | None = None) -> LoadedModel:
+    """Load a model onto ``device``, with the kernels ``kernels.dispatch`` chooses for it there
+    (``kernel_overrides``: attention_backend, moe_backend, draft_moe_backend)."""
     path = resolve_model_path(model)
     if os.path.isfile(path) and path.endswith(".gguf"):
         from cluster.models.gguf import read_gguf
@@ -121,9 +137,10 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
         tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
     else:
         raise ModelLoadError(f"model path {path!r} is neither a directory nor a .gguf file", param="model")
-    arch = architecture_of(config)
+    family = BUILDERS[architecture_of(config)]
+    ops = resolve_ops(family.components(config), device, **(kernel_overrides or {}))
     with torch.device(device):
-        net = BUILDERS[arch](config, dtype)
+        net = family.build(config, dtype, ops)
     desc = f"Loading {os.path.basename(path.rstrip('/'))}"
     if hasattr(net, "load_weights"):  # families with their own formats (quantized, fused experts)
         net.load_weights(weights, total=total, desc=desc)

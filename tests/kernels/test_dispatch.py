@@ -54,7 +54,8 @@ def test_external_kernel_only_where_built(monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize("capability", CAPABILITIES, ids=dispatch.sm_name)
 @pytest.mark.parametrize("op,fmt,role", ALL_CASES)
 def test_overrides_take_effect_or_are_refused(capability: dispatch.Capability, op: str, fmt: str,
-                                              role: str) -> None:
+                                              role: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a real device: no interpreter to fall back on
     for impl in dispatch.REGISTRY[op]:
         runnable = impl.refusal(fmt, capability) is None
         if runnable:
@@ -68,12 +69,22 @@ def test_overrides_take_effect_or_are_refused(capability: dispatch.Capability, o
             assert part in message, (part, message)
 
 
-def test_triton_refused_on_cpu_and_old_gpus() -> None:
+def test_triton_refused_on_cpu_and_old_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(KernelUnavailableError, match="needs a CUDA GPU"):
         resolve("attention", capability=None, override="triton")
     with pytest.raises(KernelUnavailableError, match="needs sm_80 or newer"):
         resolve("rms_norm", capability=(7, 5), override="triton")
     assert resolve("rms_norm", capability=(7, 5)).impl_name == "torch"
+
+
+def test_explicit_triton_runs_in_the_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TRITON_INTERPRET=1 an explicit triton choice runs on the CPU (tests); auto never picks it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve("attention", capability=None, override="triton").impl_name == "triton"
+    assert resolve("attention", capability=None).impl_name == "torch"
+    with pytest.raises(KernelUnavailableError, match="needs a CUDA GPU"):  # only triton is interpreted
+        resolve("moe", fmt="mxfp4", capability=None, override="flashinfer_trtllm")
 
 
 def test_unknown_names_are_refused() -> None:

@@ -1,0 +1,77 @@
+"""Ops: the kernel behind every op a model calls, resolved once at start-up by kernels.dispatch
+for the device, the weight formats and the override settings, then handed to the model when it is
+built (layers keep a reference; nothing is looked up per call and nothing changes afterwards)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from cluster.common.errors import UnsupportedSettingError
+from kernels import dispatch
+from kernels.activation import silu_and_mul_ref
+from kernels.attention import paged_attention_ref, write_kv_cache
+from kernels.moe import fused_moe_ref
+from kernels.norm import rms_norm_ref
+from kernels.rotary import apply_rotary_ref
+from kernels.sampling import apply_top_k_top_p_min_p_ref
+
+#: (op, role) -> the Ops field that holds its kernel.
+FIELDS = {("attention", "main"): "attention", ("kv_cache_write", "main"): "kv_cache_write",
+          ("rms_norm", "main"): "rms_norm", ("rotary", "main"): "rotary",
+          ("silu_and_mul", "main"): "silu_and_mul", ("moe", "main"): "moe", ("moe", "draft"): "draft_moe",
+          ("sampling", "main"): "sampling"}
+
+
+@dataclass(frozen=True)
+class Ops:
+    attention: Callable[..., torch.Tensor] = paged_attention_ref
+    kv_cache_write: Callable[..., None] = write_kv_cache
+    rms_norm: Callable[..., Any] = rms_norm_ref
+    rotary: Callable[..., torch.Tensor] = apply_rotary_ref
+    silu_and_mul: Callable[..., torch.Tensor] = silu_and_mul_ref
+    moe: Callable[..., torch.Tensor] = fused_moe_ref
+    draft_moe: Callable[..., torch.Tensor] = fused_moe_ref
+    sampling: Callable[..., torch.Tensor] = apply_top_k_top_p_min_p_ref
+    #: The resolution, one dict per component (logged at start-up, served at /v1/backends).
+    table: tuple[dict[str, Any], ...] = field(default=(), compare=False)
+
+
+REFERENCE_OPS = Ops()
+
+
+def base_components() -> list[tuple[str, str, str, str]]:
+    """(component, op, weight format, role) every model family needs."""
+    return [("attention", "attention", "bf16", "main"), ("kv_cache_write", "kv_cache_write", "bf16", "main"),
+            ("rms_norm", "rms_norm", "bf16", "main"), ("rotary", "rotary", "bf16", "main"),
+            ("silu_and_mul", "silu_and_mul", "bf16", "main"), ("sampler", "sampling", "bf16", "main")]
+
+
+def resolve_ops(components: Sequence[tuple[str, str, str, str]], device: torch.device, *,
+                attention_backend: str = "auto", moe_backend: str = "auto",
+                draft_moe_backend: str = "auto") -> Ops:
+    """Choose every component's kernel; refuse, naming op, format, role and device, any choice the
+    device cannot run (UnsupportedSettingError, at start-up)."""
+    capability = dispatch.device_capability(device)
+    specs = []
+    for name, op, fmt, role in components:
+        override, flag = dispatch.override_for(op, role, attention_backend=attention_backend,
+                                               moe_backend=moe_backend, draft_moe_backend=draft_moe_backend)
+        specs.append(dispatch.ComponentSpec(name, op, fmt, role, override, flag))
+    try:
+        choices = dispatch.resolve_components(specs, capability)
+    except dispatch.KernelUnavailableError as exc:
+        raise UnsupportedSettingError(str(exc), param=_first_flag(specs)) from exc
+    fields: dict[str, Any] = {}
+    for spec in specs:
+        key = FIELDS.get((spec.op, spec.role))
+        if key is not None:
+            fields.setdefault(key, choices[spec.name].fn)
+    table = tuple({"component": name, **choice.as_dict()} for name, choice in choices.items())
+    return replace(REFERENCE_OPS, **fields, table=table)
+
+
+def _first_flag(specs: Sequence[dispatch.ComponentSpec]) -> str | None:
+    return next((s.override_flag.split()[0] for s in specs if s.override != "auto" and s.override_flag), None)
