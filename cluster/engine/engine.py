@@ -66,6 +66,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_specs, self.num_blocks, self.device, model_config.seed,
                                   kv_allocator)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler_config.max_model_len)
+        if not model_config.enforce_eager:
+            self.runner.capture_cuda_graphs(self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
         self._sample_group: dict[str, RequestGroup] = {}
         self._pending: list[RequestOutput] = []

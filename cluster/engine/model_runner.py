@@ -8,10 +8,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
+from cluster.engine.batch import HostBatch, build_host_batch
+from cluster.engine.cuda_graphs import DecodeGraphs
 from cluster.engine.request import Request
 from cluster.engine.sampler import Sampler, SamplingRow
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -49,16 +52,28 @@ class ModelRunner:
                               for spec, n, dt in zip(specs, num_blocks, dtypes)]
         else:
             self.kv_caches = kv_allocator(specs, num_blocks, device, dtypes)
+        self.graphs: DecodeGraphs | None = None
         ops = getattr(model, "ops", None)
         self.sampler = Sampler(model.vocab_size, seed, device, *((ops.sampling,) if ops is not None else ()))
+
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> bool:
+        """Capture decode graphs when the device and the model's kernels allow it."""
+        if self.device.type != "cuda" or not getattr(self.model, "supports_cuda_graphs", False):
+            return False
+        self.graphs = DecodeGraphs(self.model, self.specs, self.kv_caches, self.device, max_batch, max_model_len)
+        self.graphs.capture()
+        return True
 
     @torch.inference_mode()
     def forward(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]
                 ) -> tuple[torch.Tensor, list[tuple[int, ScheduledRequest]]]:
         """Run the model on the step's tokens (writing their KV); returns the final hidden states
         ``[T, H]`` and, for each request to sample, the row of its last token."""
-        ctx, input_ids, sample_rows = self._prepare(sched.scheduled, block_tables)
-        return self.model(input_ids, ctx), sample_rows
+        batch = build_host_batch(sched.scheduled, block_tables, self.specs)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch), batch.sample_rows
+        ctx, input_ids = self._context(batch)
+        return self.model(input_ids, ctx), batch.sample_rows
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]) -> RunnerOutput:
@@ -84,48 +99,19 @@ class ModelRunner:
             return ()
         return tuple(p.stop_token_ids) + (() if p.ignore_eos else request.eos_token_ids)
 
-    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[list[int]]]
-                 ) -> tuple[ForwardContext, torch.Tensor, list[tuple[int, ScheduledRequest]]]:
-        ids: list[int] = []
-        positions: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[tuple[int, ScheduledRequest]] = []
-        for s in scheduled:
-            c, n = s.num_computed_tokens, s.num_new_tokens
-            ids.extend(s.request.all_token_ids[c:c + n])
-            positions.extend(range(c, c + n))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(c + n)
-            if s.samples:
-                sample_rows.append((query_start[-1] - 1, s))
-        tables, slots = [], []
-        for g, spec in enumerate(self.specs):
-            rows = [block_tables[s.request.request_id][g] for s in scheduled]
-            width = max(1, max((len(r) for r in rows), default=1))
-            table = torch.zeros((len(rows), width), dtype=torch.int32)
-            for i, r in enumerate(rows):
-                if r:
-                    table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-            tables.append(table.to(self.device, non_blocking=True))
-            slots.append(self._slot_mapping(spec, table, positions, query_start)
-                         if spec.kind in ("full", "sliding_window") else None)
+    def _context(self, batch: HostBatch) -> tuple[ForwardContext, torch.Tensor]:
         dev = self.device
-        ctx = ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens, kv_caches=self.kv_caches,
-            block_tables=tables, slot_mappings=slots, block_sizes=[s.block_size for s in self.specs])
-        return ctx, torch.tensor(ids, dtype=torch.int64, device=dev), sample_rows
 
-    def _slot_mapping(self, spec: KVGroupSpec, table: torch.Tensor, positions: list[int],
-                      query_start: list[int]) -> torch.Tensor:
-        pos = torch.tensor(positions, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(
-            torch.arange(len(query_start) - 1), torch.tensor(query_start[1:]) - torch.tensor(query_start[:-1]))
-        blocks = table.long()[seq_index, pos // spec.block_size]
-        return (blocks * spec.block_size + pos % spec.block_size).to(self.device, non_blocking=True)
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+        ctx = ForwardContext(
+            positions=to_dev(batch.positions), query_start_loc=to_dev(batch.query_start_loc),
+            seq_lens=to_dev(batch.seq_lens), query_start_loc_cpu=batch.query_start_loc.tolist(),
+            seq_lens_cpu=batch.seq_lens.tolist(), kv_caches=self.kv_caches,
+            block_tables=[to_dev(t) for t in batch.block_tables],
+            slot_mappings=[None if s is None else to_dev(s) for s in batch.slot_mappings],
+            block_sizes=[s.block_size for s in self.specs])
+        return ctx, to_dev(batch.input_ids)
 
 
 def plan_num_blocks(specs: list[KVGroupSpec], memory_bytes: int, max_num_seqs: int,

@@ -14,7 +14,7 @@ from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.context import ForwardContext
 from cluster.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from cluster.models.loader import ParamTarget
-from cluster.models.ops import REFERENCE_OPS, Ops, base_components
+from cluster.models.ops import REFERENCE_OPS, Ops
 
 
 @dataclass(frozen=True)
@@ -139,9 +139,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, ops)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, dtype)
 
-    @staticmethod
-    def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-        return base_components()
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Decode steps can be captured when attention runs the Triton kernels (no host syncs,
+        no step-dependent shapes)."""
+        return self.ops.attention.__name__ == "paged_attention_triton"
 
     def kernel_choices(self) -> list[dict[str, Any]]:
         return list(self.ops.table)

@@ -1,0 +1,62 @@
+"""HostBatch: one step's model inputs built on the host (numpy), from the scheduled requests and
+their block tables: token ids, positions, per-sequence query starts and lengths, and per KV group
+the padded block table and, for per-token groups, the slot of every new token. The model runner
+turns it into device tensors (eager) or copies it into a captured graph's static buffers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster.common.kv_spec import KVGroupSpec
+from cluster.engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class HostBatch:
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: list[np.ndarray]  # per group [B, max_blocks] int32
+    slot_mappings: list[np.ndarray | None]  # per group [T] int64 (per-token groups only)
+    #: (row of the sequence's last token, the scheduled request) for rows to sample.
+    sample_rows: list[tuple[int, ScheduledRequest]]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.input_ids) == self.num_seqs
+
+
+def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, list[list[int]]],
+                     specs: list[KVGroupSpec]) -> HostBatch:
+    counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+    starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
+    query_start = np.zeros(len(scheduled) + 1, dtype=np.int32)
+    np.cumsum(counts, out=query_start[1:])
+    total = int(query_start[-1])
+    ids = np.empty(total, dtype=np.int64)
+    for s, begin in zip(scheduled, query_start[:-1].tolist()):
+        c, n = s.num_computed_tokens, s.num_new_tokens
+        ids[begin:begin + n] = s.request.all_token_ids[c:c + n]
+    seq_index = np.repeat(np.arange(len(scheduled)), counts)
+    positions = starts[seq_index] + (np.arange(total) - query_start[:-1][seq_index])
+    tables, slots = [], []
+    for g, spec in enumerate(specs):
+        rows = [block_tables[s.request.request_id][g] for s in scheduled]
+        width = max(1, max((len(r) for r in rows), default=1))
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        for i, r in enumerate(rows):
+            table[i, :len(r)] = r
+        tables.append(table)
+        if spec.kind in ("full", "sliding_window"):
+            blocks = table[seq_index, positions // spec.block_size].astype(np.int64)
+            slots.append(blocks * spec.block_size + positions % spec.block_size)
+        else:
+            slots.append(None)
+    sample_rows = [(int(query_start[i + 1]) - 1, s) for i, s in enumerate(scheduled) if s.samples]
+    return HostBatch(ids, positions, query_start, (starts + counts).astype(np.int32), tables, slots, sample_rows)
