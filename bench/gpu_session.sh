@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: unpack the dependency bundle (Ray, NIXL, FastAPI; see the device
+# tool's device-bundle), then run the named parts, each bounded, logging under $OUT.
+#   bash bench/gpu_session.sh tests kernels engine
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site
+if [ -f .bundle/site.tar.xz ] && [ ! -f /tmp/site/.unpacked ]; then
+  tar -xJf .bundle/site.tar.xz -C /tmp/site && touch /tmp/site/.unpacked
+fi
+export PYTHONPATH=/tmp/site:$(pwd):${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+date=$(date +%F)
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" ;;
+    tests) timeout 300 python3 -m pytest -q -x -m gpu tests/kernels tests/engine/test_cuda_graphs.py -p no:cacheprovider 2>&1 | tail -40 ;;
+    smoke) timeout 120 python3 bench/engine_gpu.py --tiny --skip-hf --out "$OUT/engine-tiny.json" 2>&1 | tail -20 ;;
+    kernels) timeout 330 python3 bench/kernels.py --out "$OUT/kernels-h200-$date.json" 2>&1 | tail -40 ;;
+    engine) timeout 300 python3 bench/engine_gpu.py --skip-hf --out "$OUT/engine-h200-$date.json" 2>&1 | tail -30 ;;
+    engine-hf) timeout 560 python3 bench/engine_gpu.py --out "$OUT/engine-h200-$date.json" 2>&1 | tail -30 ;;
+    transfer) timeout 240 python3 bench/transfer.py --out "$OUT/transfer-h200-$date.json" 2>&1 | tail -30 ;;
+    v4) timeout 300 python3 bench/deepseek_v4_layers.py --out "$OUT/deepseek-v4-layers-h200-$date.json" 2>&1 | tail -30 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+echo "=== done $(date +%T)"
