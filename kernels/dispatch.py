@@ -16,8 +16,9 @@ Resolution: ``override="auto"`` picks the highest-priority implementation the de
 an explicit override the device cannot run raises :class:`KernelUnavailableError` naming the op,
 format, role, device and reason. An explicit override never falls back silently.
 
-Overrides per role (:func:`override_for`): attention (and the KV-cache write) follow
-``attention_backend`` for both roles; MoE follows ``moe_backend`` for the main model and
+Overrides per role (:func:`override_for`): attention (the KV-cache write, DeepSeek-V4's sparse
+attention and its lightning indexer too: :data:`ATTENTION_OPS`) follow ``attention_backend`` for
+both roles; MoE follows ``moe_backend`` for the main model and
 ``draft_moe_backend`` for the draft, which inherits ``moe_backend`` only when it is itself
 ``"auto"`` (then an inherited explicit choice is as strict as a direct one). Other ops resolve
 ``auto``.
@@ -33,7 +34,10 @@ from typing import Any
 import torch
 
 Capability = tuple[int, int] | None
-OPS = ("attention", "kv_cache_write", "moe", "rms_norm", "rotary", "silu_and_mul", "sampling")
+OPS = ("attention", "kv_cache_write", "qkv_prepare", "moe", "rms_norm", "rotary", "silu_and_mul", "sampling",
+       "v4_sparse_attention", "v4_indexer")
+#: Ops that ``attention_backend`` overrides (for both roles).
+ATTENTION_OPS = ("attention", "kv_cache_write", "qkv_prepare", "v4_sparse_attention", "v4_indexer")
 ROLES = ("main", "draft")
 WEIGHT_FORMATS = ("bf16", "fp8_block", "mxfp4", "nvfp4")
 #: Formats each op accepts ("bf16" = unquantized, whatever the float dtype).
@@ -141,17 +145,23 @@ def _not_integrated() -> Callable[..., Any]:
 def _build_registry() -> dict[str, list[KernelImpl]]:
     refs = {"attention": ("kernels.attention", "paged_attention_ref"),
             "kv_cache_write": ("kernels.attention", "write_kv_cache"),
+            "qkv_prepare": ("kernels.qkv_prepare", "qkv_prepare_ref"),
             "moe": ("kernels.moe", "fused_moe_ref"), "rms_norm": ("kernels.norm", "rms_norm_ref"),
             "rotary": ("kernels.rotary", "apply_rotary_ref"),
             "silu_and_mul": ("kernels.activation", "silu_and_mul_ref"),
-            "sampling": ("kernels.sampling", "apply_top_k_top_p_min_p_ref")}
+            "sampling": ("kernels.sampling", "apply_top_k_top_p_min_p_ref"),
+            "v4_sparse_attention": ("kernels.deepseek_v4_ref", "sparse_attention_ref"),
+            "v4_indexer": ("kernels.deepseek_v4_ref", "indexer_topk_ref")}
     tritons = {"attention": ("kernels.triton_attention", "paged_attention_triton"),
                "kv_cache_write": ("kernels.triton_attention", "write_kv_cache_triton"),
+               "qkv_prepare": ("kernels.triton_qkv_prepare", "qkv_prepare_triton"),
                "moe": ("kernels.triton_moe", "fused_moe_triton"),
                "rms_norm": ("kernels.triton_norm", "rms_norm_triton"),
                "rotary": ("kernels.triton_rotary", "apply_rotary_triton"),
                "silu_and_mul": ("kernels.triton_activation", "silu_and_mul_triton"),
-               "sampling": ("kernels.triton_sampling", "apply_top_k_top_p_min_p_triton")}
+               "sampling": ("kernels.triton_sampling", "apply_top_k_top_p_min_p_triton"),
+               "v4_sparse_attention": ("kernels.triton_deepseek_v4_attention", "sparse_attention_triton"),
+               "v4_indexer": ("kernels.triton_deepseek_v4_indexer", "indexer_topk_triton")}
     registry: dict[str, list[KernelImpl]] = {}
     for op in OPS:
         registry[op] = [
@@ -220,7 +230,7 @@ def override_for(op: str, role: str, *, attention_backend: str = "auto", moe_bac
                  draft_moe_backend: str = "auto") -> tuple[str, str | None]:
     """The override that applies to ``op`` for ``role`` and the setting it comes from (module
     docstring): the draft's MoE inherits ``moe_backend`` only when ``draft_moe_backend`` is auto."""
-    if op in ("attention", "kv_cache_write"):
+    if op in ATTENTION_OPS:
         return attention_backend, "attention_backend"
     if op == "moe":
         if role == "draft" and draft_moe_backend != "auto":

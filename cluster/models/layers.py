@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from cluster.models.ops import REFERENCE_OPS, Ops
-from kernels.rotary import rope_cos_sin, rope_inv_freq
 
 
 class Linear(nn.Module):
@@ -42,23 +41,6 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.weight)
-
-
-class RotaryEmbedding(nn.Module):
-    """Applies RoPE to ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``."""
-
-    def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, object] | None = None,
-                 interleaved: bool = False, ops: Ops = REFERENCE_OPS) -> None:
-        super().__init__()
-        self.interleaved = interleaved
-        self.ops = ops
-        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, theta, scaling), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rope_cos_sin(self.inv_freq, positions)
-        return (self.ops.rotary(q, cos, sin, self.interleaved),
-                self.ops.rotary(k, cos, sin, self.interleaved))
 
 
 class GatedMLP(nn.Module):

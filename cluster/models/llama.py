@@ -12,7 +12,8 @@ from torch import nn
 from cluster.common.errors import UnsupportedArchitectureError
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.context import ForwardContext
-from cluster.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from cluster.models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from kernels.rotary import rope_cos_sin, rope_inv_freq
 from cluster.models.loader import ParamTarget
 from cluster.models.ops import REFERENCE_OPS, Ops
 
@@ -90,21 +91,20 @@ class LlamaAttention(nn.Module):
             self.k_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps, dtype, ops)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling, ops=ops)
+        self.eps = args.rms_norm_eps
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        """``rope``: the step's ``cos, sin [T, D // 2]``, computed once for all layers."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        q, k = self.rotary(ctx.positions, q, k)
         layer_cache = ctx.kv_caches[0][:, self.layer_idx]  # [num_blocks, 2, bs, Hkv, D]
         k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
         meta = ctx.attention_metadata(0)
-        self.ops.kv_cache_write(k_cache, v_cache, meta.slot_mapping, k, v)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None and self.k_norm is not None \
+            else (None, None)
+        # q/k norms, rotary and the KV write in one op: [T, Hq, D] queries out, k/v into the cache
+        q = self.ops.qkv_prepare(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim, *rope,
+                                 k_cache, v_cache, meta.slot_mapping, *norms, self.eps)
         out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -117,12 +117,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, ops)
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype, ops)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
         if residual is None:
             residual = x
-        h = self.self_attn(h, ctx)
+        h = self.self_attn(h, ctx, rope)
         h, residual = self.post_attention_layernorm(h, residual)
         assert residual is not None
         return self.mlp(h), residual
@@ -138,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(args, i, dtype, ops) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, ops)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, dtype)
+        self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling),
+                             persistent=False)
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -165,9 +167,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``input_ids [T]`` -> final hidden states ``[T, H]``."""
         x = self.embed_tokens(input_ids)
+        rope = rope_cos_sin(self.inv_freq, ctx.positions)  # once per step, shared by every layer
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            x, residual = layer(x, residual, ctx)
+            x, residual = layer(x, residual, ctx, rope)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,28 +13,36 @@ from cluster.common.errors import UnsupportedSettingError
 from kernels import dispatch
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref, write_kv_cache
+from kernels.deepseek_v4_ref import indexer_topk_ref, sparse_attention_ref
 from kernels.moe import fused_moe_ref
 from kernels.norm import rms_norm_ref
+from kernels.qkv_prepare import qkv_prepare_ref
 from kernels.rotary import apply_rotary_ref
 from kernels.sampling import apply_top_k_top_p_min_p_ref
 
 #: (op, role) -> the Ops field that holds its kernel.
 FIELDS = {("attention", "main"): "attention", ("kv_cache_write", "main"): "kv_cache_write",
+          ("qkv_prepare", "main"): "qkv_prepare",
           ("rms_norm", "main"): "rms_norm", ("rotary", "main"): "rotary",
           ("silu_and_mul", "main"): "silu_and_mul", ("moe", "main"): "moe", ("moe", "draft"): "draft_moe",
-          ("sampling", "main"): "sampling"}
+          ("sampling", "main"): "sampling", ("v4_sparse_attention", "main"): "v4_sparse_attention",
+          ("v4_indexer", "main"): "v4_indexer"}
 
 
 @dataclass(frozen=True)
 class Ops:
     attention: Callable[..., torch.Tensor] = paged_attention_ref
     kv_cache_write: Callable[..., None] = write_kv_cache
+    qkv_prepare: Callable[..., torch.Tensor] = qkv_prepare_ref
     rms_norm: Callable[..., Any] = rms_norm_ref
     rotary: Callable[..., torch.Tensor] = apply_rotary_ref
     silu_and_mul: Callable[..., torch.Tensor] = silu_and_mul_ref
     moe: Callable[..., torch.Tensor] = fused_moe_ref
     draft_moe: Callable[..., torch.Tensor] = fused_moe_ref
     sampling: Callable[..., torch.Tensor] = apply_top_k_top_p_min_p_ref
+    #: DeepSeek-V4: sparse attention (window + compressed entries + sinks), lightning indexer top-k.
+    v4_sparse_attention: Callable[..., torch.Tensor] = sparse_attention_ref
+    v4_indexer: Callable[..., torch.Tensor] = indexer_topk_ref
     #: The resolution, one dict per component (logged at start-up, served at /v1/backends).
     table: tuple[dict[str, Any], ...] = field(default=(), compare=False)
 
@@ -45,6 +53,7 @@ REFERENCE_OPS = Ops()
 def base_components() -> list[tuple[str, str, str, str]]:
     """(component, op, weight format, role) every model family needs."""
     return [("attention", "attention", "bf16", "main"), ("kv_cache_write", "kv_cache_write", "bf16", "main"),
+            ("qkv_prepare", "qkv_prepare", "bf16", "main"),
             ("rms_norm", "rms_norm", "bf16", "main"), ("rotary", "rotary", "bf16", "main"),
             ("silu_and_mul", "silu_and_mul", "bf16", "main"), ("sampler", "sampling", "bf16", "main")]
 

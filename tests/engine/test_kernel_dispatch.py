@@ -45,7 +45,8 @@ def by_component(llm: LLM) -> dict[str, dict]:
 
 def test_cpu_resolves_every_component_to_the_references(llama_dir):
     table = by_component(LLM(llama_dir, block_size=4))
-    assert set(table) == {"attention", "kv_cache_write", "rms_norm", "rotary", "silu_and_mul", "sampler"}
+    assert set(table) == {"attention", "kv_cache_write", "qkv_prepare", "rms_norm", "rotary", "silu_and_mul",
+                          "sampler"}
     assert all(row["impl"] == "torch" and row["device"] == "cpu" for row in table.values())
 
 
@@ -57,7 +58,7 @@ def test_attention_backend_override_takes_effect(llama_dir):
     reference = LLM(llama_dir, block_size=4).generate(prompts, params)
     llm = LLM(llama_dir, block_size=4, attention_backend="triton")
     table = by_component(llm)
-    assert table["attention"]["impl"] == "triton" and table["kv_cache_write"]["impl"] == "triton"
+    assert table["attention"]["impl"] == table["kv_cache_write"]["impl"] == table["qkv_prepare"]["impl"] == "triton"
     assert table["rms_norm"]["impl"] == "torch" and "attention_backend" in table["attention"]["reason"]
     assert llm.engine.model.layers[0].self_attn.ops.attention is paged_attention_triton
     got = llm.generate(prompts, params)

@@ -46,6 +46,13 @@ def _cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
     yield ("write_kv", triton_attention._write_kv_kernel,
            (q, q, cache, cache, _t(64, dtype=torch.int64), 1024, 128, 1024, 128, *strides),
            dict(NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, num_warps=4))
+    from kernels import triton_qkv_prepare
+    qkv, cs = _t(64, 6144), _t(64, 64, dtype=f32)
+    yield ("qkv_prepare", triton_qkv_prepare._qkv_prepare_kernel,
+           (qkv, cs, cs, _t(128), _t(128), q, cache, cache, _t(64, dtype=torch.int64), 6144, 64, 64, 4096, 128,
+            *strides, 1e-6),
+           dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_D=128, HALF=64, PAGE_SIZE=16,
+                HAS_NORM=True, INTERLEAVED=False, num_warps=1))
     x = _t(512, 4096)
     yield ("rms_norm", triton_norm._rms_norm_kernel, (x, x, _t(4096), x, x, 4096, 4096, 4096,
                                                       4096, 4096, 1e-6),
