@@ -41,7 +41,7 @@ class RequestStatus(enum.Enum):
         }.get(self)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests live in lists that are searched every step
 class Request:
     request_id: str
     prompt_token_ids: list[int]
