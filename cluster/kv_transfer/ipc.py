@@ -16,6 +16,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from cluster.common.errors import KVTransferError
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.kv_transfer.base import BlockCopy, KVTransferBackend, PeerCache, TransferEndpoint, index_tensor
+from kernels.block_copy import copy_blocks_ref
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,11 @@ class IPCBackend(KVTransferBackend):
     def _copy(self, remote: list[torch.Tensor], copies: list[BlockCopy]) -> None:
         for c in copies:
             src, dst = self.kv_caches[c.group], remote[c.group]
-            dst.index_copy_(0, index_tensor(c.dst, dst.device), src.index_select(0, index_tensor(c.src, src.device)))
+            if src.is_cuda:  # one pass over the bytes, straight into the peer's mapped memory
+                from kernels.triton_block_copy import copy_blocks_triton
+                copy_blocks_triton(src, dst, index_tensor(c.src, src.device), index_tensor(c.dst, src.device))
+            else:
+                copy_blocks_ref(src, dst, index_tensor(c.src, src.device), index_tensor(c.dst, dst.device))
 
     def _drop_peer(self, dest: TransferEndpoint) -> None:
         self._close_peer(self._peers.drop(dest.engine_id))

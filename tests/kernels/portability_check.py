@@ -46,7 +46,11 @@ def _cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
     yield ("write_kv", triton_attention._write_kv_kernel,
            (q, q, cache, cache, _t(64, dtype=torch.int64), 1024, 128, 1024, 128, *strides),
            dict(NUM_KV_HEADS=8, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, num_warps=4))
-    from kernels import triton_qkv_prepare
+    from kernels import triton_block_copy, triton_qkv_prepare
+    rows = _t(2305, 294912, dtype=torch.int64)
+    yield ("block_copy", triton_block_copy._copy_blocks_kernel,
+           (rows, rows, _t(64, dtype=torch.int64), _t(64, dtype=torch.int64), 294912),
+           dict(CHUNK=4096, num_warps=8))
     qkv, cs = _t(64, 6144), _t(64, 64, dtype=f32)
     yield ("qkv_prepare", triton_qkv_prepare._qkv_prepare_kernel,
            (qkv, cs, cs, _t(128), _t(128), q, cache, cache, _t(64, dtype=torch.int64), 6144, 64, 64, 4096, 128,
