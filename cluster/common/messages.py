@@ -50,6 +50,8 @@ class PrefillResult:
     bytes_sent: int
     #: prefill_queue, prefill_compute, transfer (seconds spent writing KV).
     timings: dict[str, float] = field(default_factory=dict)
+    #: The prefill worker's node (the decode worker's ``wait_received`` needs the path it used).
+    sender_node: str = ""
 
 
 @dataclass

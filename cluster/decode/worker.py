@@ -41,6 +41,8 @@ class DecodeWorker:
         self.backend: KVTransferBackend = storage.build(engine.runner.kv_caches, engine.kv_specs)
         self.engine = AsyncEngine(engine)
         self.max_model_len = engine.scheduler_config.max_model_len
+        #: Remote prefills that failed (then prefilled here, or failed the request).
+        self.remote_prefill_failures = 0
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StepOutput]:
         rid = req.request_id
@@ -75,7 +77,7 @@ class DecodeWorker:
             assert self.prefill_fn is not None
             result = await asyncio.wait_for(self.prefill_fn(prefill), timeout)
             returned = time.monotonic()
-            await asyncio.to_thread(self.backend.wait_received, prefill.transfer_key, timeout)
+            await asyncio.to_thread(self.backend.wait_received, prefill.transfer_key, timeout, result.sender_node)
             timings.update(result.timings)
             timings["transfer_wait"] = time.monotonic() - returned
             timings["kv_ready"] = time.monotonic() - start
@@ -85,6 +87,7 @@ class DecodeWorker:
             self.backend.forget(prefill.transfer_key)
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the remote path ends the same way
+            self.remote_prefill_failures += 1
             self.backend.forget(prefill.transfer_key)
             fallback = self.config.transfer.fallback_to_local_prefill
             logger.warning("remote prefill of %s failed (%s); %s", rid, exc,

@@ -10,15 +10,13 @@ from cluster.common.errors import UnsupportedSettingError
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.kv_transfer.base import BlockCopy, KVTransferBackend, TransferEndpoint
 
-BACKENDS = ("local", "ipc", "nccl", "nixl")
+BACKENDS = ("auto", "local", "ipc", "nccl", "nixl")
 
 
-def resolve_backend_name(name: str, same_node: bool = True) -> str:
-    """``auto``: ipc when prefill and decode share a node, else nixl."""
-    if name == "auto":
-        return "ipc" if same_node else "nixl"
+def resolve_backend_name(name: str) -> str:
+    """A valid backend name (``auto`` picks ipc or nixl per pair, see auto.py)."""
     if name not in BACKENDS:
-        raise UnsupportedSettingError(f"kv_transfer={name!r} is not one of {['auto', *BACKENDS]}",
+        raise UnsupportedSettingError(f"kv_transfer={name!r} is not one of {list(BACKENDS)}",
                                       param="kv_transfer")
     return name
 
@@ -35,7 +33,7 @@ class KVStorage:
 
     def allocate(self, specs: list[KVGroupSpec], num_blocks: list[int], device: torch.device,
                  dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-        if self.backend_name == "ipc":
+        if self.backend_name in ("ipc", "auto"):
             from cluster.kv_transfer.ipc import IPCBackend
             tensors, self._segments = IPCBackend.allocate_shared(specs, num_blocks, device, dtypes,
                                                                  prefix=f"pdc-{self.engine_id}")
@@ -47,6 +45,9 @@ class KVStorage:
         if name == "local":
             from cluster.kv_transfer.local import LocalBackend
             return LocalBackend(kv_caches, specs, self.engine_id, self.node_id)
+        if name == "auto":
+            from cluster.kv_transfer.auto import AutoBackend
+            return AutoBackend(kv_caches, specs, self.engine_id, self.node_id, shm_segments=self._segments)
         if name == "ipc":
             from cluster.kv_transfer.ipc import IPCBackend
             return IPCBackend(kv_caches, specs, self.engine_id, self.node_id, shm_segments=self._segments)

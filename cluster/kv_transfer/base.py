@@ -122,8 +122,9 @@ class KVTransferBackend(abc.ABC):
     @abc.abstractmethod
     def _endpoint_info(self) -> dict[str, Any]: ...
 
-    def wait_received(self, request_key: str, timeout_s: float) -> None:
-        """Block until the request's last write has landed (synchronous backends: at once)."""
+    def wait_received(self, request_key: str, timeout_s: float, sender_node: str | None = None) -> None:
+        """Block until the request's last write has landed (synchronous backends: at once).
+        ``sender_node``: where the sender runs (backends that pick a path per pair use it)."""
 
     def forget(self, request_key: str) -> None:
         """Drop receive-side state of a request that will not complete."""

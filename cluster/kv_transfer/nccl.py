@@ -108,7 +108,7 @@ class NCCLBackend(KVTransferBackend):
         with self._lock:
             return self._received.setdefault(key, threading.Event())
 
-    def wait_received(self, request_key: str, timeout_s: float) -> None:
+    def wait_received(self, request_key: str, timeout_s: float, sender_node: str | None = None) -> None:
         if not self._event(request_key).wait(timeout_s):
             raise KVTransferError(f"KV for request {request_key} did not arrive within {timeout_s:.1f}s")
         self.forget(request_key)

@@ -62,7 +62,7 @@ class NIXLBackend(KVTransferBackend):
 
     # --- receiver ---------------------------------------------------------------------------------
 
-    def wait_received(self, request_key: str, timeout_s: float) -> None:
+    def wait_received(self, request_key: str, timeout_s: float, sender_node: str | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:

@@ -6,7 +6,9 @@ name-for-name copy): ``embed``; ``layers[i]`` each with ``attn`` (sliding, CSA o
 hyper-connection parameters ``hc_attn_*``/``hc_ffn_*``; ``hc_head_*``, ``norm`` and ``head``. The
 residual is ``hc_mult`` streams ``[T, hc_mult, hidden]`` from the embedding to the final hyper head.
 ``mtp[k]`` holds the MTP (next-n) layers' weights for speculative decoding; they take no part in
-this model's forward. KV state: see ``deepseek_v4_kv``.
+this model's forward. KV state: see ``deepseek_v4_kv``. Kernels: every op the model calls comes
+from the ``Ops`` resolved at start-up (:func:`kernel_components` lists them); routed experts are
+kept in their checkpoint format on CUDA and dequantized on CPU (``deepseek_v4_experts``).
 
 The computation follows transformers' ``models/deepseek_v4`` (the tests' reference) where it and
 DeepSeek's inference code differ: that code rounds the stored KV's non-RoPE features through FP8
@@ -23,7 +25,7 @@ from torch import nn
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4_attention import DeepseekV4Attention
-from cluster.models.deepseek_v4_config import DeepseekV4Args
+from cluster.models.deepseek_v4_config import CSA, DeepseekV4Args
 from cluster.models.deepseek_v4_kv import LayerKV, deepseek_v4_kv_specs, layer_kv_layout
 from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head, hc_post, hc_pre
 from cluster.models.deepseek_v4_moe import DeepseekV4MoE
@@ -45,13 +47,14 @@ class DeepseekV4Block(nn.Module):
     """One decoder layer: hyper-connected attention, then hyper-connected MoE."""
 
     def __init__(self, args: DeepseekV4Args, layer_type: str, hash_routed: bool, kv: LayerKV,
-                 dtype: torch.dtype, ops: Ops = REFERENCE_OPS, draft: bool = False) -> None:
+                 dtype: torch.dtype, ops: Ops = REFERENCE_OPS, draft: bool = False,
+                 native_experts: bool | None = None) -> None:
         super().__init__()
         self.args = args
-        self.attn = DeepseekV4Attention(args, layer_type, kv, dtype)
-        self.ffn = DeepseekV4MoE(args, hash_routed, dtype, ops, draft)
-        self.attn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.ffn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = DeepseekV4Attention(args, layer_type, kv, dtype, ops)
+        self.ffn = DeepseekV4MoE(args, hash_routed, dtype, ops, draft, native_experts)
+        self.attn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.ffn_norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         mixes = (2 + args.hc_mult) * args.hc_mult
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_params(args, mixes)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(args, mixes)
@@ -73,19 +76,23 @@ class DeepseekV4MTPLayer(DeepseekV4Block):
     head and norm. Kept for speculative decoding; not run by ``DeepseekV4ForCausalLM.forward``
     (its KV groups come with that work)."""
 
-    def __init__(self, args: DeepseekV4Args, layer_type: str, dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> None:
+    def __init__(self, args: DeepseekV4Args, layer_type: str, dtype: torch.dtype, ops: Ops = REFERENCE_OPS,
+                 native_experts: bool | None = None) -> None:
         unplaced = LayerKV((-1, -1), (-1, -1), (-1, -1), (-1, -1))
-        super().__init__(args, layer_type, False, unplaced, dtype, ops, draft=True)
+        super().__init__(args, layer_type, False, unplaced, dtype, ops, draft=True, native_experts=native_experts)
         self.e_proj = Linear(args.hidden_size, args.hidden_size, False, dtype)
         self.h_proj = Linear(args.hidden_size, args.hidden_size, False, dtype)
-        self.enorm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.hnorm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.enorm = V4RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.hnorm = V4RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(args, args.hc_mult)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> None:
+    """``native_experts``: keep routed experts in their checkpoint format (None: on CUDA only)."""
+
+    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype, ops: Ops = REFERENCE_OPS,
+                 native_experts: bool | None = None) -> None:
         super().__init__()
         self.args = args
         self.dtype = dtype
@@ -94,12 +101,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.kv_layout = layer_kv_layout(args, deepseek_v4_kv_specs(args, 1, "float32"))
         self.embed = Embedding(args.vocab_size, args.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            DeepseekV4Block(args, kind, args.hash_layers[i], self.kv_layout[i], dtype, ops)
+            DeepseekV4Block(args, kind, args.hash_layers[i], self.kv_layout[i], dtype, ops,
+                            native_experts=native_experts)
             for i, kind in enumerate(args.layer_types))
-        self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(args, args.hc_mult)
         self.head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, dtype)
-        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(args, kind, dtype, ops) for kind in args.mtp_layer_types)
+        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(args, kind, dtype, ops, native_experts)
+                                 for kind in args.mtp_layer_types)
         self.rope = V4Rope(args)
 
     def kernel_choices(self) -> list[dict[str, Any]]:
@@ -134,11 +143,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         load_deepseek_v4_weights(self, weights, total=total, desc=desc)
 
 
+#: The shared ops V4 calls (it has no use for the paged attention of the Llama family).
+_SHARED_OPS = ("rms_norm", "rotary", "silu_and_mul", "sampling")
+
+
 def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """Kernels V4 needs: the shared ones, the routed experts' MoE in the main model's expert
-    format, and (with an MTP layer) the draft's MoE in the MTP experts' format."""
+    """Kernels V4 needs: the shared ones it calls, its sparse attention (and, with CSA layers, the
+    lightning indexer), the routed experts' MoE in the main model's expert format, and (with an MTP
+    layer) the draft's MoE in the MTP experts' format."""
     QuantScheme.from_config(config)  # an unknown format fails here, by name
-    components = base_components() + [("moe", "moe", expert_kernel_format(config, "main"), "main")]
+    components = [c for c in base_components() if c[1] in _SHARED_OPS]
+    components.append(("v4_sparse_attention", "v4_sparse_attention", "bf16", "main"))
+    if CSA in DeepseekV4Args.from_hf(config).layer_types:
+        components.append(("v4_indexer", "v4_indexer", "bf16", "main"))
+    components.append(("moe", "moe", expert_kernel_format(config, "main"), "main"))
     if int(config.get("num_nextn_predict_layers") or 0) > 0:
         components.append(("mtp.moe", "moe", expert_kernel_format(config, "draft"), "draft"))
     return components

@@ -6,7 +6,11 @@ RoPE on each head's trailing slice, per-head attention sinks, de-rotation of the
 slice, grouped low-rank output projection.
 
 KV state per layer (see ``deepseek_v4_kv``): its window entries, its compressed entries (and
-indexer keys), its compressor checkpoints."""
+indexer keys), its compressor checkpoints.
+
+Kernels: the attention over window + compressed entries + sinks is ``Ops.v4_sparse_attention`` and
+the indexer's scoring and top-k ``Ops.v4_indexer`` (references in ``kernels.deepseek_v4_ref``,
+Triton kernels on GPUs); norms and rotations go through ``Ops.rms_norm`` / ``Ops.rotary``."""
 from __future__ import annotations
 
 import torch
@@ -18,45 +22,49 @@ from cluster.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Args
 from cluster.models.deepseek_v4_kv import LayerKV
 from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, rope_tail, unweighted_rms_norm
 from cluster.models.layers import Linear
-from kernels.deepseek_v4_ref import indexer_topk_ref, sparse_attention_ref
+from cluster.models.ops import REFERENCE_OPS, Ops
 
 
 class Indexer(nn.Module):
     """The lightning indexer of a CSA layer: its queries (from the attention's low-rank query),
     per-head weights, and its own compressor at ``index_head_dim``."""
 
-    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype) -> None:
+    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.select_kernel, self.rotary = ops.v4_indexer, ops.rotary
         self.wq_b = Linear(args.q_lora_rank, self.num_heads * self.head_dim, False, dtype)
         self.weights_proj = Linear(args.hidden_size, self.num_heads, False, dtype)
         self.compressor = CompressorWeights(args.hidden_size, 2 * self.head_dim, self.head_dim, args.csa_ratio,
-                                            args.rms_norm_eps, dtype)
+                                            args.rms_norm_eps, dtype, ops)
 
     def select(self, h: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                ctx: ForwardContext, index: tuple[int, int]) -> torch.Tensor:
         """Top-k compressed entries per query ``[T, topk]`` (-1: none)."""
         q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
-        q = rope_tail(q, cos, sin)
-        weights = self.weights_proj(h).float() * self.num_heads ** -0.5
+        q = rope_tail(q, cos, sin, self.rotary)  # [T, Hi, Di]
+        weights = self.weights_proj(h).float() * self.num_heads ** -0.5  # [T, Hi]
         group, layer = index
-        return indexer_topk_ref(q, weights, ctx.kv_caches[group][:, layer], ctx.block_tables[group],
-                                ctx.query_start_loc_cpu, ctx.seq_lens_cpu, self.compressor.ratio, self.topk,
-                                self.head_dim ** -0.5)
+        return self.select_kernel(q, weights, ctx.kv_caches[group][:, layer], ctx.block_tables[group],
+                                  ctx.query_start_loc_cpu, ctx.seq_lens_cpu, self.compressor.ratio, self.topk,
+                                  self.head_dim ** -0.5, query_start_loc=ctx.query_start_loc,
+                                  seq_lens=ctx.seq_lens)
 
 
 class DeepseekV4Attention(nn.Module):
-    def __init__(self, args: DeepseekV4Args, layer_type: str, kv: LayerKV, dtype: torch.dtype) -> None:
+    def __init__(self, args: DeepseekV4Args, layer_type: str, kv: LayerKV, dtype: torch.dtype,
+                 ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.args, self.layer_type, self.kv = args, layer_type, kv
+        self.attention_kernel, self.rotary = ops.v4_sparse_attention, ops.rotary
         self.num_heads, self.head_dim = args.num_heads, args.head_dim
         self.rope_kind = "main" if layer_type == SLIDING else "compress"
         self.ratio = args.ratio(layer_type)
         self.wq_a = Linear(args.hidden_size, args.q_lora_rank, False, dtype)
-        self.q_norm = V4RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.q_norm = V4RMSNorm(args.q_lora_rank, args.rms_norm_eps, ops)
         self.wq_b = Linear(args.q_lora_rank, args.num_heads * args.head_dim, False, dtype)
         self.wkv = Linear(args.hidden_size, args.head_dim, False, dtype)
-        self.kv_norm = V4RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.kv_norm = V4RMSNorm(args.head_dim, args.rms_norm_eps, ops)
         group_in = args.num_heads * args.head_dim // args.o_groups
         # Grouped output projection: ``wo_a`` holds o_groups blocks [o_lora_rank, group_in], one per head group.
         self.wo_a = Linear(group_in, args.o_groups * args.o_lora_rank, False, dtype)
@@ -67,9 +75,9 @@ class DeepseekV4Attention(nn.Module):
         if layer_type != SLIDING:
             overlap = 2 if layer_type == CSA else 1
             self.compressor = CompressorWeights(args.hidden_size, overlap * args.head_dim, args.head_dim,
-                                                self.ratio, args.rms_norm_eps, dtype)
+                                                self.ratio, args.rms_norm_eps, dtype, ops)
         if layer_type == CSA:
-            self.indexer = Indexer(args, dtype)
+            self.indexer = Indexer(args, dtype, ops)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, rope: V4Rope) -> torch.Tensor:
         """``h [T, hidden]`` -> ``[T, hidden]``; writes this chunk's KV state."""
@@ -77,8 +85,8 @@ class DeepseekV4Attention(nn.Module):
         cos, sin = rope.cos_sin(self.rope_kind, ctx.positions)
         q_residual = self.q_norm(self.wq_a(h))
         q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
-        q = rope_tail(unweighted_rms_norm(q, self.args.rms_norm_eps), cos, sin)  # [T, H, D]
-        kv = rope_tail(self.kv_norm(self.wkv(h)).unsqueeze(1), cos, sin)[:, 0]  # [T, D]
+        q = rope_tail(unweighted_rms_norm(q, self.args.rms_norm_eps), cos, sin, self.rotary)  # [T, H, D]
+        kv = rope_tail(self.kv_norm(self.wkv(h)).unsqueeze(1), cos, sin, self.rotary)[:, 0]  # [T, D]
         window_group, window_layer = self.kv.window
         window_cache = ctx.kv_caches[window_group][:, window_layer]  # [num_blocks, block_size, D]
         slots = ctx.slot_mappings[window_group]
@@ -93,11 +101,13 @@ class DeepseekV4Attention(nn.Module):
         if self.indexer is not None:
             assert self.kv.index is not None
             topk = self.indexer.select(h, q_residual, cos, sin, ctx, self.kv.index)
-        out = sparse_attention_ref(q, window_cache, ctx.block_tables[window_group], compressed_cache,
-                                   compressed_tables, topk, self.attn_sink, ctx.query_start_loc_cpu,
-                                   ctx.seq_lens_cpu, self.args.sliding_window, max(self.ratio, 1),
-                                   self.head_dim ** -0.5)
-        out = rope_tail(out, cos, -sin)  # K = V carried RoPE into the output; undo it at the query position
+        out = self.attention_kernel(q, window_cache, ctx.block_tables[window_group], compressed_cache,
+                                    compressed_tables, topk, self.attn_sink, ctx.query_start_loc_cpu,
+                                    ctx.seq_lens_cpu, self.args.sliding_window, max(self.ratio, 1),
+                                    self.head_dim ** -0.5, query_start_loc=ctx.query_start_loc,
+                                    seq_lens=ctx.seq_lens)  # [T, H, D]
+        # K = V carried RoPE into the output; undo it at the query position
+        out = rope_tail(out, cos, -sin, self.rotary)
         return self.wo_b(self._grouped_wo_a(out))
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
@@ -124,10 +134,11 @@ class DeepseekV4Attention(nn.Module):
             positions = (torch.arange(pooled.shape[0], device=h.device) + first) * self.ratio
             cos, sin = rope.cos_sin("compress", positions)
             entries = self.compressor.norm(pooled[:, :d].to(h.dtype))
-            self._store(ctx, self.kv.compressed, seq, first, rope_tail(entries.unsqueeze(1), cos, sin)[:, 0])
+            self._store(ctx, self.kv.compressed, seq, first,
+                        rope_tail(entries.unsqueeze(1), cos, sin, self.rotary)[:, 0])
             if self.indexer is not None and self.kv.index is not None:
                 keys = self.indexer.compressor.norm(pooled[:, d:].to(h.dtype))
-                self._store(ctx, self.kv.index, seq, first, rope_tail(keys.unsqueeze(1), cos, sin)[:, 0])
+                self._store(ctx, self.kv.index, seq, first, rope_tail(keys.unsqueeze(1), cos, sin, self.rotary)[:, 0])
 
     @staticmethod
     def _store(ctx: ForwardContext, where: tuple[int, int], seq: int, first: int, entries: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4_layers import V4RMSNorm
 from cluster.models.layers import Linear
+from cluster.models.ops import REFERENCE_OPS, Ops
 from kernels.deepseek_v4_ref import EMPTY_LSE, merge_pools_ref, softmax_pool_prefix_ref
 
 
@@ -29,13 +30,14 @@ class CompressorWeights(nn.Module):
     """One compressor's parameters: ``wkv``, ``wgate`` (``hidden -> width``), the per-slot gate bias
     ``ape [R, width]`` and the entry norm (over ``dim`` channels)."""
 
-    def __init__(self, hidden: int, width: int, dim: int, ratio: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, width: int, dim: int, ratio: int, eps: float, dtype: torch.dtype,
+                 ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.ratio = ratio
         self.wkv = Linear(hidden, width, False, dtype)
         self.wgate = Linear(hidden, width, False, dtype)
         self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32), requires_grad=False)
-        self.norm = V4RMSNorm(dim, eps)
+        self.norm = V4RMSNorm(dim, eps, ops)
 
     def project(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``h [T, hidden]`` -> values and biased gates ``[T, width]`` (float32)."""

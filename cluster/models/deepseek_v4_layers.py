@@ -1,28 +1,35 @@
 """DeepSeek-V4 building blocks shared by its attention, MoE and model: RMSNorm with float32
 weights, the unweighted RMSNorm, the two RoPE flavours applied to each head's trailing (interleaved)
 rope slice, and the manifold-constrained hyper-connections (mHC) that mix ``hc_mult`` residual
-streams in and out of every block."""
+streams in and out of every block.
+
+The norm and the rotation run the resolved kernels (``Ops.rms_norm``, ``Ops.rotary``). Both compute
+in float32; in a float32 model they equal transformers' bit for bit. In a bf16 model the norm
+kernels round the normalized row to bf16 before the float32 weight multiply (transformers rounds
+once, after it): at most one bf16 ulp apart."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from collections.abc import Callable
+
 from cluster.models.deepseek_v4_config import DeepseekV4Args
+from cluster.models.ops import REFERENCE_OPS, Ops
 from kernels.rotary import apply_rotary_ref, rope_cos_sin
 
 
 class V4RMSNorm(nn.Module):
-    """RMSNorm computed in float32 with a float32 weight, cast back once at the end."""
+    """RMSNorm over the last dim, computed in float32 with a float32 weight, in ``x``'s dtype."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.eps = eps
+        self.kernel = ops.rms_norm
         self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+        return self.kernel(x, self.weight, self.eps)[0].to(x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,11 +55,12 @@ class V4Rope(nn.Module):
         return rope_cos_sin(inv_freq, positions, self.scaling[kind])
 
 
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the trailing ``2 * cos.shape[-1]`` features of ``x [N, H, D]`` (interleaved pairs);
-    heads are laid out ``[nope | rope]``."""
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              rotary: Callable[..., torch.Tensor] = apply_rotary_ref) -> torch.Tensor:
+    """Rotate the trailing ``2 * cos.shape[-1]`` features of ``x [N, H, D]`` (interleaved pairs)
+    with the ``rotary`` kernel; heads are laid out ``[nope | rope]``."""
     rot = 2 * cos.shape[-1]
-    return torch.cat([x[..., :-rot], apply_rotary_ref(x[..., -rot:], cos, sin, interleaved=True)], dim=-1)
+    return torch.cat([x[..., :-rot], rotary(x[..., -rot:], cos, sin, True)], dim=-1)
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,

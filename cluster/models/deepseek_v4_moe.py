@@ -3,13 +3,15 @@
 layers, by the token id through the frozen ``tid2eid`` table; the chosen experts' scores are
 renormalised and scaled by ``routed_scaling_factor``. Experts and the shared expert are SwiGLU with
 the configured clamp. Routed expert weights are stacked: ``w13 [E, 2I, H]`` (gate rows, then up
-rows) and ``w2 [E, H, I]``."""
+rows) and ``w2 [E, H, I]``, dequantized or in their checkpoint format (``deepseek_v4_experts``);
+the resolved MoE kernel takes either."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from cluster.models.deepseek_v4_config import DeepseekV4Args
+from cluster.models.deepseek_v4_experts import Experts
 from cluster.models.layers import Linear
 from cluster.models.ops import REFERENCE_OPS, Ops
 
@@ -47,14 +49,6 @@ class Gate(nn.Module):
         return weights * self.routed_scaling_factor, ids
 
 
-class Experts(nn.Module):
-    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype) -> None:
-        super().__init__()
-        e, i, h = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
-
-
 class SharedExperts(nn.Module):
     def __init__(self, hidden: int, intermediate: int, clamp: float | None, dtype: torch.dtype,
                  ops: Ops = REFERENCE_OPS) -> None:
@@ -71,15 +65,16 @@ class SharedExperts(nn.Module):
 
 class DeepseekV4MoE(nn.Module):
     """Routed + shared experts. ``draft``: the MTP layer's MoE, whose kernel is resolved for the
-    draft role (its weights may be in another format than the main model's)."""
+    draft role (its weights may be in another format than the main model's). ``native_experts``:
+    see :class:`Experts`."""
 
     def __init__(self, args: DeepseekV4Args, hash_routed: bool, dtype: torch.dtype,
-                 ops: Ops = REFERENCE_OPS, draft: bool = False) -> None:
+                 ops: Ops = REFERENCE_OPS, draft: bool = False, native_experts: bool | None = None) -> None:
         super().__init__()
         self.clamp = args.swiglu_limit
         self.moe_kernel = ops.draft_moe if draft else ops.moe
         self.gate = Gate(args, hash_routed, dtype)
-        self.experts = Experts(args, dtype)
+        self.experts = Experts(args, dtype, native_experts)
         shared = args.moe_intermediate_size * args.n_shared_experts
         self.shared_experts = SharedExperts(args.hidden_size, shared, self.clamp, dtype, ops) if shared else None
 

@@ -5,7 +5,8 @@
 
 Weights are streamed: a weight is copied as soon as it and its companion scales have all been
 seen (``deepseek_v4_quant`` decides when that is and what format it is), dequantized to the model's
-dtype. Per-expert weights land in the stacked ``w13``/``w2``. A tensor the model does not expect,
+dtype. Per-expert weights land in the stacked ``w13``/``w2``: dequantized, or, for experts kept in
+their checkpoint format (``deepseek_v4_experts``: CUDA), as they come, stacked once all are seen. A tensor the model does not expect,
 one of the wrong shape or format, a scale without its weight, or an expected tensor the checkpoint
 lacks stops loading with a ModelLoadError naming it. MTP weights are loaded and kept when the
 checkpoint has them (all of them); a checkpoint without any ``mtp.*`` tensor loads without them.
@@ -22,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from cluster.common.errors import ModelLoadError
+from cluster.models.deepseek_v4_experts import Experts, ExpertStack
 from cluster.models.deepseek_v4_quant import PLAIN_DTYPES, SCALE_SUFFIXES, is_complete, to_quantized
 from kernels.quant import dequantize
 
@@ -41,12 +43,30 @@ def canonical_name(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Target:
-    """Where a checkpoint tensor goes: a parameter (or buffer), or a slice of one."""
+class ExpertSlot:
+    """Expert ``expert``'s part ``half`` (w1: 0, w3: 1, w2: 0) of a natively stored stack."""
 
-    dest: torch.Tensor
+    stack: ExpertStack
+    expert: int
+    half: int
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor goes: a parameter (or buffer), a slice of one, or a slot of a
+    natively stored expert stack."""
+
+    dest: torch.Tensor | None
     #: A matrix weight that may come quantized (with companion scales).
     matrix: bool
+    slot: ExpertSlot | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.slot is not None:
+            return self.slot.stack.half_shape
+        assert self.dest is not None
+        return tuple(self.dest.shape)
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, Target]:
@@ -68,6 +88,13 @@ def checkpoint_targets(model: nn.Module) -> dict[str, Target]:
     for bname, buf in model.named_buffers():
         if bname.endswith("tid2eid"):
             targets[bname] = Target(buf, False)
+    for mname, module in model.named_modules():
+        if isinstance(module, Experts) and module.native:
+            for which, parts in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+                stack = module.stack(which, f"{mname}.{which}")
+                for e in range(module.shapes[which][0]):
+                    for half, part in enumerate(parts):
+                        targets[f"{mname}.{e}.{part}.weight"] = Target(None, True, ExpertSlot(stack, e, half))
     return targets
 
 
@@ -101,7 +128,7 @@ class _Loader:
                 self._copy_weight(weight_name, self.pending.pop(base))
             return
         target = self.targets.get(name)
-        if target is None:
+        if target is None or target.dest is None:
             raise ModelLoadError(f"unexpected tensor {raw!r} in the checkpoint (shape {tuple(tensor.shape)})")
         self._copy(raw, name, tensor, target.dest)
 
@@ -112,10 +139,15 @@ class _Loader:
             if weight.dtype not in PLAIN_DTYPES or len(parts) > 1:
                 raise ModelLoadError(f"tensor {raw!r} must be a plain float tensor, got {weight.dtype} "
                                      f"with {sorted(parts)}")
+            assert target.dest is not None
             self._copy(raw, name, weight, target.dest)
             return
-        quantized = to_quantized(raw, parts, tuple(target.dest.shape))
-        target.dest.copy_(dequantize(quantized, target.dest.dtype))
+        quantized = to_quantized(raw, parts, target.shape)
+        if target.slot is not None:
+            target.slot.stack.add(raw, target.slot.expert, target.slot.half, quantized)
+        else:
+            assert target.dest is not None
+            target.dest.copy_(dequantize(quantized, target.dest.dtype))
         self.loaded.add(name)
 
     def _copy(self, raw: str, name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:
@@ -133,7 +165,7 @@ class _Loader:
                 raise ModelLoadError(f"scale tensor(s) {', '.join(f'{base}.{s}' for s in sorted(parts))} "
                                      f"without their weight {base}.weight")
             name = f"{base}.weight"
-            to_quantized(self.raw_names.get(name, name), parts, tuple(self.targets[name].dest.shape))  # raises
+            to_quantized(self.raw_names.get(name, name), parts, self.targets[name].shape)  # raises
             raise ModelLoadError(f"tensor {name!r} is missing companion scale tensors (has {sorted(parts)})")
         expected = set(self.targets)
         if not any(name.startswith("mtp.") for name in self.loaded):
@@ -147,3 +179,6 @@ class _Loader:
             shown = ", ".join(repr(m) for m in missing[:10])
             more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
             raise ModelLoadError(f"checkpoint is missing tensor(s) {shown}{more}")
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.finish_loading()

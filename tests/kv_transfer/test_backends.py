@@ -106,6 +106,33 @@ def test_layout_mismatch_is_refused():
         a.send(endpoint, "k", copies(), last=True)
 
 
-def test_auto_prefers_ipc_on_one_node():
-    assert resolve_backend_name("auto", same_node=True) == "ipc"
-    assert resolve_backend_name("auto", same_node=False) == "nixl"
+def test_auto_uses_ipc_on_one_node_and_nixl_across_nodes():
+    """auto picks the path per pair from the receiver's node (simulated here by node ids)."""
+    from tests.kv_transfer.workers import NUM_BLOCKS, SPECS
+    from cluster.kv_transfer import KVStorage
+
+    def auto(engine_id: str, node: str, fill: float | None):
+        storage = KVStorage("auto", engine_id, node)
+        caches = storage.allocate(SPECS, NUM_BLOCKS, torch.device("cpu"), [torch.float32, torch.bfloat16])
+        if fill is not None:
+            for t in caches:
+                t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(int(fill))).to(t.dtype))
+        return storage.build(caches, SPECS)
+
+    tag = uuid.uuid4().hex[:6]
+    sender = auto(f"p-{tag}", "node-a", 5)
+    near, far = auto(f"d1-{tag}", "node-a", None), auto(f"d2-{tag}", "node-b", None)
+    try:
+        for receiver in (near, far):
+            sender.send(receiver.endpoint(), f"k-{receiver.engine_id}", copies(), last=True)
+            receiver.wait_received(f"k-{receiver.engine_id}", 10.0, sender_node="node-a")
+            assert torch.equal(receiver.kv_caches[0][[5, 2, 11]], sender.kv_caches[0][[3, 1, 7]])
+        assert sender.nixl is not None and sender.nixl.stats.count == 0  # inner stats: counted by auto
+        assert len(sender.ipc._peers.values()) == 1  # only the same-node receiver was mapped
+        assert sender.stats.count == 2
+    finally:
+        for b in (sender, near, far):
+            b.close()
+    assert resolve_backend_name("auto") == "auto"
+    with pytest.raises(Exception, match="not one of"):
+        resolve_backend_name("pigeon")

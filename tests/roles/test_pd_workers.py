@@ -67,6 +67,7 @@ def test_disaggregated_equals_colocated(model_dir, sampling):
         got = asyncio.run(run_all(decode, prompts, params))
         assert got == expected
         assert decode.backend.stats.count == 0 and prefill.backend.stats.count > 0
+        assert decode.remote_prefill_failures == 0  # every prompt really went through the prefill worker
         assert decode.engine.engine.kv.usage == 0.0 and prefill.engine.engine.kv.usage == 0.0
     finally:
         prefill.shutdown()
@@ -82,6 +83,7 @@ def test_transfer_failure_falls_back_to_local_prefill(model_dir):
         prefill.backend.inject_failures = 1
         got = asyncio.run(collect(decode, GenerateRequest("f1", prompt, params)))
         assert got == expected and prefill.backend.stats.failures_total == 1
+        assert decode.remote_prefill_failures == 1
     finally:
         prefill.shutdown()
         decode.shutdown()
