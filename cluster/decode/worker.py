@@ -143,7 +143,8 @@ class DecodeWorker:
             num_free_blocks=int(metrics["num_free_blocks"]),
             prefix_cache_hit_rate=metrics["prefix_cache_hit_rate"],
             kv_transfer_bytes_total=s.bytes_total, kv_transfer_seconds_total=s.seconds_total,
-            kv_transfer_count=s.count, kv_transfer_failures_total=s.failures_total)
+            kv_transfer_count=s.count, kv_transfer_failures_total=s.failures_total,
+            extra={"remote_prefill_failures_total": float(self.remote_prefill_failures)})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -79,3 +79,5 @@ def test_disaggregated_equals_colocated(cluster, model_dir, expected, backend, c
     transferred = cluster.metric("cluster:kv_transfer_bytes_total", role="prefill")
     if backend != "local":
         assert sum(transferred) > 0
+    # every remote prefill went through the transfer: none fell back to prefilling on decode
+    assert cluster.metric("cluster:remote_prefill_failures_total", role="decode") == [0.0]
