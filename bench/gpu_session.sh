@@ -21,6 +21,7 @@ for part in "$@"; do
     engine) timeout 300 python3 bench/engine_gpu.py --skip-hf --out "$OUT/engine-h200-$date.json" 2>&1 | tail -30 ;;
     engine-hf) timeout 560 python3 bench/engine_gpu.py --out "$OUT/engine-h200-$date.json" 2>&1 | tail -30 ;;
     transfer) timeout 240 python3 bench/transfer.py --out "$OUT/transfer-h200-$date.json" 2>&1 | tail -30 ;;
+    serve) timeout 420 python3 bench/serve_gpu.py --out "$OUT/serve-h200-$date.json" 2>&1 | tail -20 ;;
     v4) timeout 300 python3 bench/deepseek_v4_layers.py --out "$OUT/deepseek-v4-layers-h200-$date.json" 2>&1 | tail -30 ;;
     *) echo "unknown part $part" ;;
   esac

@@ -1,0 +1,157 @@
+"""Disaggregated against colocated serving on one GPU (issue 6's single-GPU step): a model of
+Qwen3-8B width (fewer layers, random bf16 weights, saved as a checkpoint with a tokenizer) served
+by the real Ray Serve application, driven by bench/serve.py with a workload that mixes long
+prompts and long outputs at a fixed arrival rate.
+
+  disagg     1 prefill + 1 decode replica sharing the GPU (num_gpus=0.5 each), KV over ipc
+  colocated  1 decode replica prefilling everything (prefill_replicas=0), the whole GPU
+Reports TTFT / ITL / e2e percentiles, throughput and goodput under TTFT and ITL targets, the KV
+bytes moved and the per-request TTFT breakdown from /metrics, and the transfer's share of TTFT.
+Both roles on one GPU compete for it, so this measures the mechanism and its overheads, not the
+interference that separate GPUs remove (that is the multi-GPU run).
+
+    python bench/serve_gpu.py --out bench/results/serve-h200-<date>.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import environment  # noqa: E402
+from bench.serve import BenchConfig, run_benchmark  # noqa: E402
+
+WIDTH = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+         "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+         "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+         "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def write_checkpoint(path: str, layers: int) -> None:
+    """Random Qwen3-width weights (std 0.02) as safetensors, with a small BPE tokenizer."""
+    from safetensors.torch import save_file
+
+    from tests.factories import save_tokenizer
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(WIDTH, num_hidden_layers=layers)
+    h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02).cpu()
+    tensors = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
+               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        tensors |= {p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                    p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
+                    p + "self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+                    p + "self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+                    p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
+                    p + "mlp.down_proj.weight": rnd(h, i),
+                    p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_tokenizer(path, vocab_size=256)
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """Sums of the /metrics samples this benchmark reports."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.e2e.conftest import httpx
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    wanted = ("cluster:kv_transfer_bytes_total", "cluster:ttft_prefill_queue_seconds_sum",
+              "cluster:ttft_prefill_compute_seconds_sum", "cluster:ttft_kv_transfer_seconds_sum",
+              "cluster:ttft_first_decode_seconds_sum", "cluster:time_to_first_token_seconds_sum",
+              "cluster:time_to_first_token_seconds_count", "cluster:remote_prefill_failures_total")
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in wanted:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port: int) -> dict[str, Any]:
+    from ray import serve
+
+    from cluster.application import build_app
+    from tests.e2e.conftest import Cluster
+    serve.run(build_app(settings), name="cluster", route_prefix="/")
+    cluster = Cluster(port)
+    cluster.wait_healthy(600)
+    before = scrape(cluster.base_url)
+    common = dict(base_url=cluster.base_url, model=os.path.basename(args.model_dir), input_len=args.input_len,
+                  output_len=args.output_len, input_len_range=0.5, output_len_range=0.5,
+                  ttft_target_s=args.ttft_target_s, itl_target_s=args.itl_target_s, seed=1, warmup=2)
+    runs = {}
+    for rate in args.rates:
+        r = run_benchmark(BenchConfig(**common, num_requests=args.num_requests, rate=rate, label=f"{name}-rate{rate}"))
+        r.pop("requests", None)
+        runs[str(rate)] = r
+        print(f"{name} rate {rate}: TTFT p50 {r['ttft_s']['p50']:.3f}s ITL p50 {r['itl_s']['p50'] * 1000:.1f}ms "
+              f"goodput {r['goodput_rps']:.2f}/s tput {r['output_token_throughput_tps']:.0f} tok/s")
+    after = scrape(cluster.base_url)
+    serve.delete("cluster")
+    time.sleep(5)
+    return {"settings": settings, "runs": runs, "metrics_delta": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=f"bench/results/serve-h200-{datetime.date.today()}.json")
+    parser.add_argument("--model-dir", default="/tmp/qwen3-width")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=2048)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0])
+    parser.add_argument("--ttft-target-s", type=float, default=0.5)
+    parser.add_argument("--itl-target-s", type=float, default=0.05)
+    parser.add_argument("--kv-bytes", type=int, default=24 << 30, help="KV memory per replica")
+    parser.add_argument("--port", type=int, default=8011)
+    args = parser.parse_args()
+    import ray
+    from ray import serve
+    if not os.path.isfile(os.path.join(args.model_dir, "model.safetensors")):
+        write_checkpoint(args.model_dir, args.layers)
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"NCCL_NVLS_ENABLE": "0", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    base = {"model": args.model_dir, "kv_cache_memory_bytes": args.kv_bytes, "max_num_seqs": 128,
+            "max_num_batched_tokens": 8192, "max_model_len": 8192}
+    result: dict[str, Any] = {"benchmark": "serve-one-gpu", "model": f"Qwen3-8B width, {args.layers} layers, random bf16",
+                              "workload": vars(args), "environment": environment(), "modes": {}, "errors": {}}
+    modes = {"disagg": {**base, "prefill_replicas": 1, "decode_replicas": 1, "num_gpus": 0.5, "kv_transfer": "ipc"},
+             "colocated": {**base, "prefill_replicas": 0, "decode_replicas": 1, "num_gpus": 1}}
+    for name, settings in modes.items():
+        try:
+            result["modes"][name] = run_mode(name, settings, args, args.port)
+        except Exception as exc:  # noqa: BLE001 - record, go on with the other mode
+            result["errors"][name] = repr(exc)
+            try:
+                serve.delete("cluster")
+            except Exception:  # noqa: BLE001
+                pass
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    serve.shutdown()
+    ray.shutdown()
+    print(json.dumps(result["errors"]) if result["errors"] else "ok")
+
+
+if __name__ == "__main__":
+    main()
