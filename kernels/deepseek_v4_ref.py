@@ -15,7 +15,10 @@
 Paged layouts, per layer: token entries ``[num_blocks, block_size, D]`` (position ``p`` in block
 ``table[p // block_size]``), compressed entries ``[num_blocks, entries_per_block, D]``. A batch is a
 flat run of query tokens: sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``, its
-last ``q_len`` positions out of ``seq_lens[i]``.
+last ``q_len`` positions out of ``seq_lens[i]``. The ops take the batch as host lists
+(``query_start_loc_cpu``, ``seq_lens_cpu``); their kernels (``kernels.triton_deepseek_v4_*``) also
+take device copies as the keyword arguments ``query_start_loc`` / ``seq_lens``, which the
+references accept and ignore, so that every implementation has one signature.
 """
 from __future__ import annotations
 
@@ -62,7 +65,9 @@ def gather_entries(cache: torch.Tensor, table: torch.Tensor, start: int, end: in
 
 def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                      index_tables: torch.Tensor, query_start_loc_cpu: list[int], seq_lens_cpu: list[int],
-                     compress_ratio: int, topk: int, scale: float) -> torch.Tensor:
+                     compress_ratio: int, topk: int, scale: float, *,
+                     query_start_loc: torch.Tensor | None = None,
+                     seq_lens: torch.Tensor | None = None) -> torch.Tensor:
     """``q [T, Hi, Di]``, ``weights [T, Hi]`` -> ``[T, topk]`` int64 entry indices, ``-1`` where a query
     sees fewer than ``topk`` entries (order within a row is unspecified)."""
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
@@ -88,7 +93,9 @@ def sparse_attention_ref(q: torch.Tensor, window_cache: torch.Tensor, window_tab
                          compressed_cache: torch.Tensor | None, compressed_tables: torch.Tensor | None,
                          topk_indices: torch.Tensor | None, sinks: torch.Tensor,
                          query_start_loc_cpu: list[int], seq_lens_cpu: list[int], window: int,
-                         compress_ratio: int, scale: float) -> torch.Tensor:
+                         compress_ratio: int, scale: float, *,
+                         query_start_loc: torch.Tensor | None = None,
+                         seq_lens: torch.Tensor | None = None) -> torch.Tensor:
     """``q [T, H, D]`` -> ``[T, H, D]``. Each query at position ``p`` attends the token entries at
     ``(p - window, p]`` and, with a compressed cache, the compressed entries ``topk_indices[t]``
     (``-1`` skipped) or, when ``topk_indices`` is None, every entry ``e < (p + 1) // compress_ratio``."""

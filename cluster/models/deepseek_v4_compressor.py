@@ -57,19 +57,21 @@ class PooledChunk:
     lse_a: torch.Tensor | None  # [W, R, C] series A (overlap part), CSA only
     mean_a: torch.Tensor | None
 
-    def state_at(self, position: int, ratio: int) -> torch.Tensor:
-        """The checkpoint after ``position``: ``[2, C]`` (HCA) or ``[2, 2, C]`` (CSA)."""
-        i, j = position // ratio - self.first_window, position % ratio
-        width = self.lse_b.shape[-1]
-        empty = torch.stack([torch.full((width,), EMPTY_LSE, device=self.lse_b.device),
-                             torch.zeros(width, device=self.lse_b.device)])
+    def states_at(self, positions: list[int], ratio: int) -> torch.Tensor:
+        """The checkpoints after ``positions``: ``[P, 2, C]`` (HCA) or ``[P, 2, 2, C]`` (CSA), in one
+        gather (a prefill chunk checkpoints every block)."""
+        device = self.lse_b.device
+        pos = torch.tensor(positions, device=device)
+        i, j = pos // ratio - self.first_window, pos % ratio
+        completed = (j == ratio - 1)[:, None, None]  # the window's entry is done: nothing in progress
+        b = torch.stack([self.lse_b[i, j], self.mean_b[i, j]], dim=1)  # [P, 2, C]
+        empty = torch.stack([torch.full_like(b[:, 0], EMPTY_LSE), torch.zeros_like(b[:, 1])], dim=1)
         if self.lse_a is None:
-            return torch.stack([self.lse_b[i, j], self.mean_b[i, j]]) if j < ratio - 1 else empty
+            return torch.where(completed, empty, b)
         assert self.mean_a is not None
-        if j < ratio - 1:
-            return torch.stack([torch.stack([self.lse_b[i, j], self.mean_b[i, j]]),
-                                torch.stack([self.lse_a[i, j], self.mean_a[i, j]])])
-        return torch.stack([torch.stack([self.lse_a[i, -1], self.mean_a[i, -1]]), empty])
+        a = torch.stack([self.lse_a[i, j], self.mean_a[i, j]], dim=1)  # [P, 2, C]
+        # In progress: [entry so far, overlap part so far]; completed: [overlap part -> next entry, empty].
+        return torch.where(completed[..., None], torch.stack([a, empty], dim=1), torch.stack([b, a], dim=1))
 
 
 def pool_chunk(series_b: tuple[torch.Tensor, torch.Tensor], series_a: tuple[torch.Tensor, torch.Tensor] | None,
@@ -129,7 +131,7 @@ class ChunkCompressor:
             ) -> list[tuple[int, int, torch.Tensor]]:
         """Per sequence with new entries: (sequence, first entry index, pooled means ``[m, C]``)."""
         states = ctx.kv_caches[self.state_group][:, self.state_layer]  # [num_blocks, *state]
-        table = ctx.block_tables[self.state_group]
+        table = ctx.block_tables[self.state_group].tolist()  # one device sync per layer, not per sequence
         block_size = ctx.block_sizes[self.state_group]
         out = []
         q = ctx.query_start_loc_cpu
@@ -140,14 +142,15 @@ class ChunkCompressor:
                 continue
             start = seq_len - n
             if start > 0:
-                carry = states[int(table[i, (start - 1) // block_size])].float()
+                carry = states[table[i][(start - 1) // block_size]].float()
             else:
                 carry = empty_state(tuple(states.shape[1:]), states.device)
             chunk = pool_chunk((series_b[0][rows], series_b[1][rows]),
                                None if series_a is None else (series_a[0][rows], series_a[1][rows]),
                                start, self.ratio, carry)
-            for p in checkpoint_positions(start, seq_len, block_size):
-                states[int(table[i, p // block_size])] = chunk.state_at(p, self.ratio).to(states.dtype)
+            positions = checkpoint_positions(start, seq_len, block_size)
+            blocks = torch.tensor([table[i][p // block_size] for p in positions], device=states.device)
+            states[blocks] = chunk.states_at(positions, self.ratio).to(states.dtype)
             if chunk.entries.shape[0]:
                 out.append((i, chunk.first_window, chunk.entries))
         return out

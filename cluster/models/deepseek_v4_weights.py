@@ -6,10 +6,11 @@
 Weights are streamed: a weight is copied as soon as it and its companion scales have all been
 seen (``deepseek_v4_quant`` decides when that is and what format it is), dequantized to the model's
 dtype. Per-expert weights land in the stacked ``w13``/``w2``: dequantized, or, for experts kept in
-their checkpoint format (``deepseek_v4_experts``: CUDA), as they come, stacked once all are seen. A tensor the model does not expect,
-one of the wrong shape or format, a scale without its weight, or an expected tensor the checkpoint
-lacks stops loading with a ModelLoadError naming it. MTP weights are loaded and kept when the
-checkpoint has them (all of them); a checkpoint without any ``mtp.*`` tensor loads without them.
+their checkpoint format (``deepseek_v4_experts``: CUDA), as they come, stacked once all are seen.
+A tensor the model does not expect, one of the wrong shape or format, a scale without its weight,
+or an expected tensor the checkpoint lacks stops loading with a ModelLoadError naming it. MTP
+weights are loaded and kept when the checkpoint has them (all of them); a checkpoint without any
+``mtp.*`` tensor loads without them.
 """
 from __future__ import annotations
 

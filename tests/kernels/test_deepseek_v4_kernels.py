@@ -1,0 +1,320 @@
+"""DeepSeek-V4 Triton kernels (sparse attention over window + compressed entries + sinks, the
+lightning indexer's scores and top-k) against the pure-torch references on random inputs: varlen
+batches mixing prefill chunks, decode rows and an empty sequence, shuffled block tables whose
+entries behind the window point nowhere, strided per-layer cache views, split-KV decode, outputs
+and scratch poisoned, NaN-checked. Tiny shapes under the interpreter on CPU; real V4-Flash shapes
+on a GPU (marked ``gpu``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.deepseek_v4_ref import indexer_topk_ref, sparse_attention_ref
+from kernels import triton_deepseek_v4_indexer as indexer
+from kernels.triton_deepseek_v4_attention import sparse_attention_triton
+from kernels.triton_deepseek_v4_indexer import indexer_topk_triton
+from tests.kernels.poison import poisoned_allocations
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+FREED = 10**6  # block-table entry of a block the window left behind: reading it faults
+
+MIXED = [(37, 37), (50, 13), (0, 0), (9, 1), (70, 1), (33, 1), (16, 16)]  # (seq_len, q_len)
+DECODE = [(70, 1), (1, 1), (33, 1), (128, 1), (9, 1)]
+SHORT = [(21, 21), (30, 6), (0, 0), (9, 1), (41, 1)]  # the indexer's select is slow to interpret
+
+
+@dataclass
+class V4Batch:
+    q: torch.Tensor  # [T, H, D]
+    window_cache: torch.Tensor  # [num_blocks, block_size, D], a strided per-layer view
+    window_tables: torch.Tensor  # [B, max_blocks]
+    comp_cache: torch.Tensor  # [num_blocks, entries_per_block, D]
+    comp_tables: torch.Tensor
+    index_q: torch.Tensor  # [T, Hi, Di]
+    index_weights: torch.Tensor  # [T, Hi] float32
+    index_cache: torch.Tensor  # [num_blocks, entries_per_block, Di]
+    index_tables: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+
+    def positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(s - (self.query_start_loc[i + 1] - self.query_start_loc[i]), s)
+                          for i, s in enumerate(self.seq_lens)])
+
+
+def _paged(num_entries: list[int], per_block: int, width: int, dtype: torch.dtype, gen: torch.Generator,
+           first_needed: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A two-layer storage (layer 1 returned as a view) and shuffled tables; entries before
+    ``first_needed[i]``'s block point at block FREED."""
+    blocks = [-(-n // per_block) for n in num_entries]
+    total = sum(blocks) + 3
+    storage = torch.randn(total, 2, per_block, width, generator=gen).to(dtype)
+    order = torch.randperm(total, generator=gen)
+    tables = torch.zeros(len(blocks), max(blocks + [1]) + 1, dtype=torch.int32)
+    tables[:, -1] = FREED
+    used = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[used:used + n].to(torch.int32)
+        used += n
+        if first_needed is not None:
+            tables[i, :first_needed[i] // per_block] = FREED
+    return storage.to(DEVICE)[:, 1], tables.to(DEVICE)
+
+
+def make_v4_batch(seqs: list[tuple[int, int]], heads: int = 4, dim: int = 32, window: int = 5, ratio: int = 2,
+                  block_size: int = 4, entries_per_block: int = 3, index_heads: int = 3, index_dim: int = 16,
+                  dtype: torch.dtype = torch.float32, seed: int = 0) -> V4Batch:
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [s for s, _ in seqs]
+    qsl = [0]
+    for _, q_len in seqs:
+        qsl.append(qsl[-1] + q_len)
+    first = [max(0, s - q - window + 1) for s, q in seqs]
+    window_cache, window_tables = _paged(seq_lens, block_size, dim, dtype, gen, first)
+    comp_cache, comp_tables = _paged([s // ratio for s in seq_lens], entries_per_block, dim, dtype, gen)
+    index_cache, index_tables = _paged([s // ratio for s in seq_lens], entries_per_block, index_dim, dtype, gen)
+    t = qsl[-1]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    return V4Batch(rand(t, heads, dim).to(dtype), window_cache, window_tables, comp_cache, comp_tables,
+                   rand(t, index_heads, index_dim).to(dtype), rand(t, index_heads), index_cache, index_tables,
+                   qsl, seq_lens)
+
+
+def random_picks(batch: V4Batch, ratio: int, topk: int, seed: int = 1) -> torch.Tensor:
+    """Distinct visible entries per query (fewer where fewer are visible), ``-1`` between them."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for p in batch.positions().tolist():
+        visible = (p + 1) // ratio
+        picks = torch.randperm(visible, generator=gen)[:topk]
+        row = torch.cat([picks, torch.full((topk - len(picks),), -1)])
+        rows.append(row[torch.randperm(topk, generator=gen)])
+    return torch.stack(rows).to(DEVICE) if rows else torch.empty(0, topk, dtype=torch.int64, device=DEVICE)
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any(), "kernel left unwritten (NaN) outputs"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 3e-2 if dtype == torch.bfloat16 else (5e-3 if ON_GPU else 1e-4)
+
+
+def _attention(batch: V4Batch, mode: str, window: int, ratio: int, sinks: torch.Tensor, topk: int = 4,
+               num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    comp = mode != "sliding"
+    picks = random_picks(batch, ratio, topk) if mode == "topk" else None
+    args = (batch.q, batch.window_cache, batch.window_tables, batch.comp_cache if comp else None,
+            batch.comp_tables if comp else None, picks, sinks, batch.query_start_loc, batch.seq_lens, window,
+            ratio, batch.q.shape[-1] ** -0.5)
+    ref = sparse_attention_ref(*args)
+    with poisoned_allocations():
+        out = sparse_attention_triton(*args, num_splits=num_splits)
+    return out, ref
+
+
+@pytest.mark.parametrize("mode", ["sliding", "topk", "all_visible"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_mixed_batch(mode: str, dtype: torch.dtype) -> None:
+    batch = make_v4_batch(MIXED, dtype=dtype)
+    sinks = torch.randn(4, device=DEVICE)
+    out, ref = _attention(batch, mode, window=5, ratio=2, sinks=sinks)
+    _check(out, ref, _tol(dtype))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("mode", ["topk", "all_visible"])
+def test_sparse_attention_decode_splits(num_splits: int, mode: str) -> None:
+    batch = make_v4_batch(DECODE, heads=6, window=7, ratio=4, entries_per_block=2, seed=2)
+    sinks = 2 * torch.randn(6, device=DEVICE)
+    out, ref = _attention(batch, mode, window=7, ratio=4, sinks=sinks, topk=6, num_splits=num_splits)
+    _check(out, ref, _tol(torch.float32))
+
+
+def test_sparse_attention_window_one_and_dominant_sinks() -> None:
+    """Window 1 (a query sees only itself), more picks than visible entries, sinks that take most
+    of the probability."""
+    batch = make_v4_batch([(12, 12), (30, 1)], heads=2, window=1, ratio=3, seed=3)
+    out, ref = _attention(batch, "topk", window=1, ratio=3, sinks=torch.tensor([4.0, -1.0], device=DEVICE),
+                          topk=16)
+    _check(out, ref, _tol(torch.float32))
+
+
+def test_sparse_attention_v4_width() -> None:
+    """The V4 head width (512) and more heads than one head block."""
+    batch = make_v4_batch([(20, 3), (11, 1)], heads=20, dim=512, window=8, ratio=4, seed=4)
+    out, ref = _attention(batch, "topk", window=8, ratio=4, sinks=torch.randn(20, device=DEVICE), topk=3)
+    _check(out, ref, _tol(torch.float32))
+
+
+def _check_topk(out: torch.Tensor, ref: torch.Tensor, batch: V4Batch, ratio: int, topk: int) -> None:
+    """Each row: the right number of distinct visible picks and the same scores as the reference's
+    picks (ties may pick other entries)."""
+    assert out.shape == ref.shape == (len(batch.q), topk) and out.dtype == torch.int64
+    positions = batch.positions().tolist()
+    for t, p in enumerate(positions):
+        seq = max(i for i in range(len(batch.seq_lens)) if batch.query_start_loc[i] <= t)
+        visible = (p + 1) // ratio
+        picks = out[t][out[t] >= 0]
+        assert ((out[t] >= 0) | (out[t] == -1)).all(), f"row {t}: unwritten slots {out[t].tolist()}"
+        assert len(picks) == min(topk, visible) == int((ref[t] >= 0).sum()), (t, out[t], ref[t])
+        assert len(set(picks.tolist())) == len(picks) and (picks < visible).all()
+        if not len(picks):
+            continue
+        keys = batch.index_cache[batch.index_tables[seq].long()[torch.arange(visible, device=DEVICE) // 3],
+                                 torch.arange(visible, device=DEVICE) % 3].double()
+        scores = torch.relu(torch.einsum("hd,ed->he", batch.index_q[t].double(), keys))
+        scores = (scores * batch.index_weights[t].double()[:, None]).sum(0)
+        ours = scores[picks].sort().values
+        theirs = scores[ref[t][ref[t] >= 0]].sort().values
+        tol = 5e-3 if ON_GPU else 1e-3  # GPU: tf32 / bf16 dots; picks may differ between near-equal scores
+        torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol * scores.abs().max().item())
+
+
+@pytest.mark.parametrize("topk,dtype", [(1, torch.float32), (5, torch.float32), (40, torch.float32),
+                                        (5, torch.bfloat16)])
+def test_indexer_topk_mixed_batch(topk: int, dtype: torch.dtype) -> None:
+    batch = make_v4_batch(SHORT, dtype=dtype, seed=5)
+    args = (batch.index_q, batch.index_weights, batch.index_cache, batch.index_tables, batch.query_start_loc,
+            batch.seq_lens, 2, topk, 0.25)
+    ref = indexer_topk_ref(*args)
+    with poisoned_allocations():
+        out = indexer_topk_triton(*args)
+    _check_topk(out, ref, batch, 2, topk)
+
+
+def test_indexer_topk_in_tiles_and_token_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows longer than one selection tile (selected tile by tile) and a scratch smaller than the
+    batch (scored in token chunks)."""
+    monkeypatch.setattr(indexer, "_TOPK_TILE", 8)
+    monkeypatch.setattr(indexer, "_SCRATCH_ELEMENTS", 7 * 20)
+    batch = make_v4_batch([(25, 2), (0, 0), (41, 1)], seed=8)
+    args = (batch.index_q, batch.index_weights, batch.index_cache, batch.index_tables, batch.query_start_loc,
+            batch.seq_lens, 2, 6, 0.5)
+    with poisoned_allocations():
+        out = indexer_topk_triton(*args)
+    _check_topk(out, indexer_topk_ref(*args), batch, 2, 6)
+
+
+@pytest.mark.parametrize("tile", [8, 4096])
+def test_indexer_topk_ties_pick_lower_entries(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scores equal everywhere (zero keys): the lowest visible entries are picked."""
+    monkeypatch.setattr(indexer, "_TOPK_TILE", tile)
+    batch = make_v4_batch([(30, 1), (7, 7)], seed=6)
+    batch.index_cache.zero_()
+    out = indexer_topk_triton(batch.index_q, batch.index_weights, batch.index_cache, batch.index_tables,
+                              batch.query_start_loc, batch.seq_lens, 2, 10, 1.0)
+    for t, p in enumerate([29] + list(range(7))):
+        visible = min(10, (p + 1) // 2)
+        assert out[t].tolist() == list(range(visible)) + [-1] * (10 - visible)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("decode", [True, False])
+def test_gpu_v4_flash_shapes(decode: bool) -> None:
+    """V4-Flash: 64 heads x 512, window 128, CSA ratio 4 with top-512, indexer 64 x 128, bf16."""
+    seqs = [(8192, 1)] * 8 + [(3000, 1)] * 8 if decode else [(4096, 4096), (6000, 700), (513, 1)]
+    batch = make_v4_batch(seqs, heads=64, dim=512, window=128, ratio=4, block_size=64, entries_per_block=16,
+                          index_heads=64, index_dim=128, dtype=torch.bfloat16, seed=7)
+    args = (batch.index_q, batch.index_weights, batch.index_cache, batch.index_tables, batch.query_start_loc,
+            batch.seq_lens, 4, 512, 128 ** -0.5)
+    picks = indexer_topk_triton(*args)
+    ref_picks = indexer_topk_ref(*args)
+    assert ((picks >= 0).sum(1) == (ref_picks >= 0).sum(1)).all()
+    sinks = torch.randn(64, device=DEVICE)
+    for comp, topk in ((False, None), (True, picks), (True, None)):
+        attn = (batch.q, batch.window_cache, batch.window_tables, batch.comp_cache if comp else None,
+                batch.comp_tables if comp else None, topk, sinks, batch.query_start_loc, batch.seq_lens, 128, 4,
+                512 ** -0.5)
+        _check(sparse_attention_triton(*attn), sparse_attention_ref(*attn), 3e-2)
+
+
+# --- sm_90 / sm_120 builds (ahead of time, no GPU needed; see tests/kernels/portability_check.py) ---
+
+
+def _portability_cases() -> list[tuple[str, object, tuple[object, ...], dict[str, object]]]:
+    """The V4 kernels at V4-Flash shapes with ``meta`` tensors (only dtypes and alignment matter)."""
+    from kernels import triton_deepseek_v4_attention as attention
+
+    def t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    i32, i64, f32 = torch.int32, torch.int64, torch.float32
+    q, cache, table, loc = t(128, 64, 512), t(4096, 64, 512), t(128, 300, dtype=i32), t(129, dtype=i32)
+    picks, sinks, part = t(128, 512, dtype=i64), t(64, dtype=f32), t(128, 64, 4, 512, dtype=f32)
+    cases = []
+    for comp, topk, splits in ((False, False, 1), (True, True, 4), (True, False, 1)):
+        cases.append((f"v4_attention_{'topk' if topk else 'all' if comp else 'window'}_s{splits}",
+                      attention._sparse_attention_kernel,
+                      (q, cache, table, cache, table, picks, sinks, loc, loc, q, part, part, 128, 64, 128, 4,
+                       512, 0.1, 128, 32768, 512, 32768, 512, 300, 8192, 512, 300, 512, 32768, 512),
+                      dict(HEAD_DIM=512, BLOCK_D=512, WIN_PAGE=64, COMP_PAGE=16, HAS_COMP=comp, HAS_TOPK=topk,
+                           NUM_SPLITS=splits, LOG_B=8, UPCAST=False)))
+    cases.append(("v4_attention_merge", attention._merge_kernel, (part, part, sinks, q, 64, 32768, 512),
+                  dict(HEAD_DIM=512, BLOCK_D=512, NUM_SPLITS=4, BLOCK_S=4, num_warps=4)))
+    iq, icache, scores = t(128, 64, 128), t(4096, 16, 128), t(128, 2048, dtype=f32)
+    cases.append(("v4_indexer_scores", indexer._indexer_scores_kernel,
+                  (iq, t(128, 64, dtype=f32), icache, table, loc, loc, scores, 0, 128, 64, 4, 0.1, 128, 8192,
+                   128, 64, 2048, 128, 300, 2048),
+                  dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=64, PAGE=16, NUM_SPLITS=1, LOG_B=8, UPCAST=False)))
+    for one_tile in (True, False):
+        cases.append((f"v4_indexer_topk_{'tile' if one_tile else 'tiles'}", indexer._topk_kernel,
+                      (scores, picks, loc, loc, 0, 128, 4, 512, 2048, 512),
+                      dict(LOG_B=8, BLOCK=4096, ONE_TILE=one_tile, num_warps=8)))
+    return cases
+
+
+def _print_portability() -> None:
+    import json
+
+    from tests.kernels.aot import compile_for
+    from tests.kernels.portability_check import ARCHS, _configs
+
+    for name, kernel, args, kwargs in _portability_cases():
+        for arch in ARCHS:
+            configs = _configs(kernel, kwargs)
+            for opts in configs if arch == (9, 0) else configs[:1]:
+                record: dict[str, object] = {"kernel": name, "arch": f"sm_{arch[0]}{arch[1]}", "config": opts}
+                try:
+                    record["shared"] = compile_for(kernel, arch, *args, **kwargs, **opts).metadata.shared
+                except Exception as e:  # report every failure, keep compiling the rest
+                    record["error"] = f"{type(e).__name__}: {str(e)[-400:]}"
+                print(json.dumps(record), flush=True)
+
+
+def test_v4_kernels_compile_for_sm90_and_sm120() -> None:
+    """Every V4 kernel builds for sm_90 and sm_120; on sm_120 its smallest config fits 99 KB."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.kernels.aot import SM120_SHARED_LIMIT
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tests.kernels.test_deepseek_v4_kernels"], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    failures = [r for r in records if "error" in r]
+    assert not failures, json.dumps(failures, indent=1)
+    names = {r["kernel"] for r in records}
+    assert len(names) == 7
+    for name in names:
+        sm120 = [r["shared"] for r in records if r["kernel"] == name and r["arch"] == "sm_120"]
+        assert sm120 and min(sm120) <= SM120_SHARED_LIMIT, (name, sm120)
+
+
+if __name__ == "__main__":
+    _print_portability()

@@ -1,0 +1,44 @@
+"""bench/deepseek_v4_layers.py end to end at toy widths on CPU (``--tiny``), so that the script
+does not first fail on the GPU machine: every section runs, every layer gets a time, a roofline
+and its bytes, the JSON is written."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+
+def _once(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    def run(fn: Callable[[], Any]) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return run
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test (the GPU runs the real script)")
+def test_tiny_run_writes_every_section(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.deepseek_v4_layers as bench
+
+    monkeypatch.setattr(bench, "timer", _once)
+    out = tmp_path / "v4.json"
+    results = bench.main(["--tiny", "--out", str(out)])
+    errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, errors
+    assert json.loads(out.read_text())["config"]["layers"] == bench.LAYERS
+    kernels = {row["component"]: row["impl"] for row in results["model"]["kernels"]}
+    assert kernels["v4_sparse_attention"] == "torch" and kernels["moe"] == "torch"
+    assert {"prefill", "decode_b1", "decode_b3"} <= set(results)
+    for name in ("prefill", "decode_b1", "decode_b3"):
+        rows = results[name]["layers"]
+        assert [r["type"] for r in rows] == bench.LAYERS
+        for r in rows:
+            assert r["ms"] > 0 and r["roofline_ms"] > 0 and r["percent_of_roofline"] > 0
+            assert r["weight_bytes"] > 0 and r["kv_bytes"] > 0 and 0 < r["experts_touched"] <= 8
+    decode = results["decode_b1"]["layers"]
+    assert decode[0]["kv_bytes"] < decode[1]["kv_bytes"]  # CSA reads compressed entries and indexer keys too
+    assert not any("ERROR" in line for line in bench.summary(results))
