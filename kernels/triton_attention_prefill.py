@@ -7,6 +7,12 @@ sliding window ``W``, only the last ``W`` of them). Keys come from the paged cac
 holds the new tokens (``write_kv_cache`` runs first). Key tiles wholly below the tile's first
 query position need no mask; only the diagonal tiles (and every tile under a window) are masked.
 GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``. Paged offsets are int64.
+
+On Hopper the MMAs are not what limits this loop but the work around them, issued by the same
+warps: the unmasked tiles fold the softmax scale into the exp2's FMA and rescale the
+accumulator inside the PV dot; a tile's row offsets cost one 32x32->64 multiply per row (page
+ids are non-negative int32), with the in-page part hoisted out of the loop when pages tile
+``BLOCK_N``.
 """
 from __future__ import annotations
 
@@ -18,11 +24,17 @@ from kernels.triton_support import INTERPRET, autotune_configs, check_last_dim_c
 
 _LOG2E = 1.4426950408889634
 
+# 128x128 tiles with 8 warps (two warpgroups, one 64-row wgmma each) amortize the per-tile
+# softmax and address work best; three stages let the pipeliner fetch a tile's block-table
+# entries one stage ahead of its K/V copies (two stages leave that latency in the loop).
+# 64-row tiles with 4 warps fit two programs per SM, which then overlap each other's softmax
+# and MMA (at twice the L2 traffic). The last config is the small-shared-memory fallback.
 _CONFIGS = [
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2),
 ]
 
@@ -38,35 +50,67 @@ def _load_tile(ptrs, n_mask, d_mask, MASK_N: tl.constexpr, EVEN_D: tl.constexpr)
 
 
 @triton.jit
+def _wide_offset(index, stride):
+    """``index * stride`` as int64 for a non-negative ``index``: for int32 operands one 32x32->64
+    unsigned multiply (a sign-extended int64 product costs five instructions per row on sm_90)."""
+    stride = stride + tl.zeros((), tl.int32)  # an int32 tensor, even for a constexpr stride of 1
+    WIDE: tl.constexpr = stride.dtype == tl.int64 or index.dtype == tl.int64
+    if WIDE:
+        offset = index.to(tl.int64) * stride
+    else:
+        offset = (index.to(tl.uint32, bitcast=True).to(tl.uint64)
+                  * stride.to(tl.uint32, bitcast=True).to(tl.uint64)).to(tl.int64, bitcast=True)
+    return offset
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, table, lo, hi, qk_scale, window,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d, d_mask,
             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
             HAS_WINDOW: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr):
-    """Fold keys ``[lo, hi)`` into the running softmax state ``(acc, l_i, m_i)``."""
+    """Fold keys ``[lo, hi)`` into the running softmax state ``(acc, l_i, m_i)`` (log2 domain).
+    ``lo`` is a multiple of ``BLOCK_N``. Unmasked tiles (every key visible to every row) scale
+    the scores inside the exp2's FMA and need no guard for rows with nothing visible."""
+    # Offsets within a page repeat from tile to tile when pages tile BLOCK_N: hoisted.
+    ALIGNED: tl.constexpr = BLOCK_N % PAGE_SIZE == 0
+    k_in_page = _wide_offset(tl.arange(0, BLOCK_N) % PAGE_SIZE, stride_kt)
+    v_in_page = _wide_offset(tl.arange(0, BLOCK_N) % PAGE_SIZE, stride_vt)
     for n0 in range(lo, hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        page = tl.load(table + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0).to(tl.int64)
-        in_page = (offs_n % PAGE_SIZE).to(tl.int64)
-        k = _load_tile(k_base + (page * stride_kb + in_page * stride_kt)[:, None] + offs_d[None, :],
-                       offs_n < hi, d_mask, MASKED, EVEN_D)  # [BLOCK_N, BLOCK_D]
+        if MASKED:
+            page = tl.load(table + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0)
+        else:
+            page = tl.load(table + offs_n // PAGE_SIZE)
+        if not ALIGNED:
+            k_in_page = _wide_offset(offs_n % PAGE_SIZE, stride_kt)
+            v_in_page = _wide_offset(offs_n % PAGE_SIZE, stride_vt)
+        k_rows = _wide_offset(page, stride_kb) + k_in_page
+        k = _load_tile(k_base + k_rows[:, None] + offs_d[None, :], offs_n < hi, d_mask, MASKED,
+                       EVEN_D)  # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], unscaled
         if MASKED:
             visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < hi)[None, :]
             if HAS_WINDOW:
                 visible &= offs_n[None, :] > q_pos[:, None] - window
-            qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            p = tl.exp2(qk - m_safe[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_safe = m_new
+            p = tl.exp2(qk * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_base + (page * stride_vb + in_page * stride_vt)[:, None] + offs_d[None, :],
-                       offs_n < hi, d_mask, MASKED, EVEN_D)
+        v_rows = _wide_offset(page, stride_vb) + v_in_page
+        v = _load_tile(v_base + v_rows[:, None] + offs_d[None, :], offs_n < hi, d_mask, MASKED,
+                       EVEN_D)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
 

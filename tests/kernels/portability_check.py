@@ -73,8 +73,10 @@ def _cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
             151936, 151936), dict(HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, BLOCK=4096,
                                   num_warps=8))
     ids = _t(4096, dtype=i32)
-    yield ("moe_align", triton_moe_align._align_kernel, (ids, ids, ids, ids, ids, 384, 280),
-           dict(NUM_EXPERTS=256, BLOCK_E=256, BLOCK_P=64, BLOCK_M=16, num_warps=8))
+    x = _t(64, 4096)
+    yield ("moe_align", triton_moe_align._align_kernel,
+           (ids, ids, ids, ids, ids, 384, 280, x, x, 4096, 4096),
+           dict(NUM_EXPERTS=256, BLOCK_E=256, BLOCK_P=64, BLOCK_M=16, BLOCK_H=2048, num_warps=8))
     yield from _moe_cases(triton_moe)
 
 
@@ -102,11 +104,11 @@ def _moe_cases(triton_moe: Any) -> Iterator[tuple[str, Any, tuple[Any, ...], dic
             common["archs"] = archs
             yield (f"moe_w13_{fmt}_m{block_m}", triton_moe._w13_swiglu_kernel,
                    (x, w13, s13, g, act, ids, ids, ids, inter, hidden, 384, 6, hidden, w13.stride(0),
-                    w13.stride(1), s13.stride(0), s13.stride(1), 1, inter, 7.0),
-                   dict(common, HAS_CLAMP=True))
+                    w13.stride(1), s13.stride(0), s13.stride(1), 1, inter, 7.0, 16),
+                   dict(common, HAS_CLAMP=True, PAIRED_OUT=code >= 2))
             yield (f"moe_w2_{fmt}_m{block_m}", triton_moe._w2_kernel,
                    (act, w2, s2, g, partial, ids, ids, ids, route, hidden, inter, 384, inter, w2.stride(0),
-                    w2.stride(1), s2.stride(0), s2.stride(1), 1, hidden), common)
+                    w2.stride(1), s2.stride(0), s2.stride(1), 1, hidden, 16), common)
     yield ("moe_sum_top_k", triton_moe._sum_top_k_kernel, (partial, x, hidden),
            dict(TOP_K=6, BLOCK=1024, num_warps=4))
 

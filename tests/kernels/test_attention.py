@@ -7,10 +7,13 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.attention import PagedAttentionMetadata, paged_attention_ref, write_kv_cache
 from kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
 from kernels.triton_attention_decode import paged_decode_attention
+from kernels.triton_attention_prefill import _wide_offset
 from tests.kernels.paged import make_kv_storage, make_paged_batch, poisoned_like
 
 ON_GPU = torch.cuda.is_available()
@@ -144,3 +147,20 @@ def test_gpu_real_shapes(decode: bool) -> None:
                              device="cuda", seed=7)
     _run(batch, 1 / math.sqrt(128), None, torch.bfloat16)
     _run(batch, 1 / math.sqrt(128), 1024, torch.bfloat16)
+
+
+@triton.jit
+def _wide_offset_kernel(index_ptr, out_ptr, stride, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _wide_offset(tl.load(index_ptr + offs), stride))
+
+
+@pytest.mark.parametrize("stride", [1, 48, 2**31 - 1, 2**31 + 5])
+def test_wide_offset_is_exact_past_int32(stride: int) -> None:
+    """Paged row offsets: non-negative int32 page ids times int32 (or int64) strides, exact as
+    int64 far past 2**31."""
+    index = torch.tensor([0, 1, 7, 2**20 + 3, 2**31 - 1, 12345, 2**30, 99], dtype=torch.int32,
+                         device=DEVICE)
+    out = torch.full((8,), -1, dtype=torch.int64, device=DEVICE)
+    _wide_offset_kernel[(1,)](index, out, stride, BLOCK=8)
+    assert out.tolist() == [i * stride for i in index.tolist()]

@@ -9,6 +9,7 @@ import torch
 from kernels.moe import fused_moe_ref, max_aligned_blocks, moe_align_ref
 from kernels.quant import QuantizedWeight, dequantize, quantize
 from kernels.triton_moe import fused_moe_triton, moe_align
+from kernels.triton_moe_align import moe_align_and_pair, paired_columns
 from tests.kernels.poison import poisoned_allocations
 
 ON_GPU = torch.cuda.is_available()
@@ -99,6 +100,35 @@ def test_fused_moe_clamp_partial_blocks_and_big_expert_blocks(fmt: str) -> None:
     weights, ids = _routing(num_tokens, top_k, num_experts, seed=5)
     x = 3 * torch.randn(num_tokens, hidden, device=DEVICE)
     _check_moe(x, w13, w2, weights, ids, clamp=0.5)
+
+
+@pytest.mark.parametrize("fmt13,fmt2", [("fp8_block", "mxfp4"), ("nvfp4", "bf16"),
+                                         ("mxfp4", "nvfp4")])
+def test_fused_moe_mixed_formats(fmt13: str, fmt2: str) -> None:
+    """w13 and w2 in different formats: the paired column order of fp4 GEMM activations (x for
+    w13, act for w2) follows each GEMM's own format."""
+    num_experts, hidden, inter, num_tokens, top_k = 4, 128, 64, 5, 2
+    w13, _ = _weights(fmt13, num_experts, hidden, inter, seed=10)
+    _, w2 = _weights(fmt2, num_experts, hidden, inter, seed=11)
+    weights, ids = _routing(num_tokens, top_k, num_experts, seed=12)
+    x = torch.randn(num_tokens, hidden + 8, device=DEVICE)[:, :hidden]  # strided rows
+    _check_moe(x, w13, w2, weights, ids, clamp=None)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 6])
+def test_align_launch_writes_paired_activations(num_tokens: int) -> None:
+    """The alignment launch's copy of x in paired column order (within each 8 columns:
+    0 4 1 5 2 6 3 7), rows strided, poisoned output."""
+    hidden = 48
+    x = torch.randn(num_tokens, hidden + 16, device=DEVICE)[:, :hidden]
+    _, ids = _routing(num_tokens, 2, 8, seed=13)
+    expected = x[:, [8 * (c // 8) + [0, 4, 1, 5, 2, 6, 3, 7][c % 8] for c in range(hidden)]]
+    assert torch.equal(paired_columns(x), expected)
+    with poisoned_allocations():
+        *aligned, x_paired = moe_align_and_pair(ids, 8, 16, x)
+    assert x_paired is not None and torch.equal(x_paired, expected)
+    for a, b in zip(aligned, moe_align_ref(ids, 8, 16)):
+        assert torch.equal(a.cpu(), b.cpu())
 
 
 def test_nvfp4_single_global_scale_and_expert_slices() -> None:

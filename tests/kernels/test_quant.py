@@ -9,7 +9,7 @@ import triton.language as tl
 
 from kernels.quant import (E2M1_VALUES, FORMATS, QuantizedWeight, dequantize, e2m1_to_float,
                            float_to_e2m1, pack_fp4, quantize, unpack_fp4)
-from kernels.triton_quant import FMT_CODES, load_weight_tile
+from kernels.triton_quant import FMT_CODES, FP4_SHIFT, load_weight_tile
 from kernels.triton_support import INTERPRET
 
 ON_GPU = torch.cuda.is_available()
@@ -90,7 +90,9 @@ def _decode_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, FMT: tl.co
 @pytest.mark.parametrize("fast", [False, True])
 def test_triton_decoders_cover_every_byte(fmt: str, fast: bool) -> None:
     """All 256 byte values (and scale bytes) through the in-register decoder. The tile leaves out
-    the fp8 block scale and the nvfp4 global scale (applied on the accumulator)."""
+    the fp8 block scale and the nvfp4 global scale (applied on the accumulator); fp4 tiles come
+    in paired column order (0 4 1 5 2 6 3 7 within each 8) and ``2**-FP4_SHIFT`` times the
+    weights, exactly."""
     if fast and (INTERPRET or not ON_GPU):
         pytest.skip("the fast decoders (inline PTX, hardware fp8) need a GPU")
     if fast and fmt != "mxfp4" and torch.cuda.get_device_capability() < (8, 9):
@@ -110,6 +112,8 @@ def test_triton_decoders_cover_every_byte(fmt: str, fast: bool) -> None:
         else:
             scale = (torch.rand(n, k // 16, generator=g) * 4).to(torch.float8_e4m3fn)
         expected = dequantize(QuantizedWeight(fmt, data, scale, torch.tensor(1.0)))
+        paired = expected.view(n, k // 8, 2, 4).transpose(-1, -2).reshape(n, k)
+        expected = paired * 2.0 ** -FP4_SHIFT
     data, scale = data.to(DEVICE), scale.to(DEVICE)
     s = scale.view(torch.uint8) if scale.dtype == torch.float8_e4m3fn else scale
     out = torch.full((n, k), float("nan"), device=DEVICE)
