@@ -15,14 +15,14 @@ for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" ;;
-    tests) timeout 300 python3 -m pytest -q -x -m gpu tests/kernels tests/engine/test_cuda_graphs.py -p no:cacheprovider 2>&1 | tail -40 ;;
+    tests) timeout 180 python3 -m pytest -q -m gpu tests/kernels tests/engine/test_cuda_graphs.py tests/models -p no:cacheprovider 2>&1 | tail -30 ;;
     smoke) timeout 120 python3 bench/engine_gpu.py --tiny --skip-hf --out "$OUT/engine-tiny.json" 2>&1 | tail -20 ;;
-    kernels) timeout 330 python3 bench/kernels.py --out "$OUT/kernels-h200-$date.json" 2>&1 | tail -40 ;;
-    engine) timeout 300 python3 bench/engine_gpu.py --skip-hf --out "$OUT/engine-h200-$date.json" 2>&1 | tail -30 ;;
+    kernels) timeout 200 python3 bench/kernels.py --budget-s 150 --out "$OUT/kernels-h200-$date.json" 2>&1 | tail -40 ;;
+    engine) timeout 110 python3 bench/engine_gpu.py --skip-hf --out "$OUT/engine-h200-$date.json" 2>&1 | tail -30 ;;
     engine-hf) timeout 560 python3 bench/engine_gpu.py --out "$OUT/engine-h200-$date.json" 2>&1 | tail -30 ;;
-    transfer) timeout 240 python3 bench/transfer.py --out "$OUT/transfer-h200-$date.json" 2>&1 | tail -30 ;;
-    serve) timeout 420 python3 bench/serve_gpu.py --out "$OUT/serve-h200-$date.json" 2>&1 | tail -20 ;;
-    v4) timeout 300 python3 bench/deepseek_v4_layers.py --out "$OUT/deepseek-v4-layers-h200-$date.json" 2>&1 | tail -30 ;;
+    transfer) timeout 150 python3 bench/transfer.py --out "$OUT/transfer-h200-$date.json" 2>&1 | tail -30 ;;
+    serve) timeout 330 python3 bench/serve_gpu.py --out "$OUT/serve-h200-$date.json" 2>&1 | tail -20 ;;
+    v4) timeout 240 python3 bench/deepseek_v4_layers.py --out "$OUT/deepseek-v4-layers-h200-$date.json" 2>&1 | tail -30 ;;
     *) echo "unknown part $part" ;;
   esac
 done
