@@ -104,10 +104,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
           scale: float) -> torch.Tensor:
     """``q [B, Lq, Hq, D]``, ``k/v [B, Lk, Hkv, D]``, boolean ``mask`` broadcastable to
     ``[B, Hq, Lq, Lk]`` -> ``[B, Lq, Hq, D]``."""
-    hq, hkv = q.shape[2], k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if hq != hkv:
-        kt = kt.repeat_interleave(hq // hkv, dim=1)
-        vt = vt.repeat_interleave(hq // hkv, dim=1)
-    out = F.scaled_dot_product_attention(qt, kt.to(qt.dtype), vt.to(qt.dtype), attn_mask=mask, scale=scale)
+    # GQA without materialising repeated K/V heads
+    out = F.scaled_dot_product_attention(qt, kt.to(qt.dtype), vt.to(qt.dtype), attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
