@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment  # noqa: E402
-from bench.serve import BenchConfig, run_benchmark  # noqa: E402
+from bench.serve import BenchConfig, plot_results, run_benchmark  # noqa: E402
 
 try:
     import httpx
@@ -86,8 +86,7 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                                           label=f"{kind}-probe"))
         load = run_benchmark(BenchConfig(**common, num_requests=args.num_requests, concurrency=args.concurrency,
                                          label=f"{kind}-load"))
-        for result in (probe, load):
-            result.pop("requests", None)
+        probe.pop("requests", None)  # the load runs keep theirs, for the plot
         print(f"{kind}: probe TTFT p50 {probe['ttft_s']['p50']:.3f}s, load {load['output_token_throughput_tps']:.1f} tok/s")
         return {"probe": probe, "load": load}
     finally:
@@ -109,6 +108,7 @@ def main() -> None:
     parser.add_argument("--itl-target-s", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=f"bench/results/serve-cpu-{datetime.date.today()}.json")
+    parser.add_argument("--plot", help="PNG of the load runs' latency CDFs and percentiles (default: next to --out)")
     args = parser.parse_args()
     runs = {kind: run_one(kind, args) for kind in ("local", "colocated", "disagg")}
     p50 = {k: v["probe"]["ttft_s"]["p50"] for k, v in runs.items()}
@@ -128,6 +128,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    plot_results([runs[k]["load"] for k in runs], args.plot or os.path.splitext(args.out)[0] + ".png")
     print(json.dumps(summary, indent=2))
 
 

@@ -15,11 +15,11 @@ import ray
 from ray import serve
 
 from cluster.common.messages import GenerateRequest, PrefillRequest, PrefillResult, ReplicaStats, StepOutput
+from cluster.common.reporting import report_forever, routing_stats
 from cluster.config import ClusterConfig
 from cluster.decode.worker import DecodeWorker
 
 logger = logging.getLogger(__name__)
-REPORT_PERIOD_S = 0.5
 #: Seconds of per-request latencies behind the p90s reported to the planner.
 LATENCY_WINDOW_S = 30.0
 
@@ -42,7 +42,8 @@ class DecodeServer:
             node_id=ray.get_runtime_context().get_node_id(), transfer_options=_transfer_options(config))
         self.state = state
         self.ttft, self.itl, self.prefill_queue = LatencyWindow(), LatencyWindow(), LatencyWindow()
-        self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
+        self._reporter = asyncio.get_running_loop().create_task(
+            report_forever(state, self.stats, self.worker.engine.engine.backends))
 
     async def _call_prefill(self, request: PrefillRequest) -> PrefillResult:
         assert self.prefill is not None
@@ -83,9 +84,7 @@ class DecodeServer:
         return s
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        s = await self.stats()
-        return {"waiting": s.num_requests_waiting, "running": s.num_requests_running,
-                "free_blocks": s.num_free_blocks}
+        return routing_stats(await self.stats())
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Load and recent latencies for the planner (cluster.router.planner), when autoscaling."""
@@ -98,14 +97,6 @@ class DecodeServer:
     async def check_health(self) -> None:
         if self.worker.engine.dead is not None:
             raise RuntimeError(f"engine loop stopped: {self.worker.engine.dead}")
-
-    async def _report_forever(self) -> None:
-        while self.state is not None:
-            try:
-                await self.state.report.remote(await self.stats(), self.worker.engine.engine.backends())
-            except Exception:  # noqa: BLE001 - metrics must never take the replica down
-                logger.debug("stats report failed", exc_info=True)
-            await asyncio.sleep(REPORT_PERIOD_S)
 
     def __del__(self) -> None:
         for worker in (getattr(self, "worker", None), getattr(self, "local_prefill", None)):

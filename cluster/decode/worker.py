@@ -19,6 +19,7 @@ from typing import Any
 from cluster.common.errors import OverloadedError
 from cluster.common.messages import GenerateRequest, PrefillRequest, PrefillResult, ReplicaStats, StepOutput
 from cluster.common.outputs import RequestOutput
+from cluster.common.reporting import replica_stats
 from cluster.config import ClusterConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
@@ -134,17 +135,7 @@ class DecodeWorker:
 
     async def stats(self, replica_id: str) -> ReplicaStats:
         metrics = await self.engine.run(lambda e: e.metrics())
-        s = self.backend.stats
-        return ReplicaStats(
-            role="decode", replica_id=replica_id,
-            num_requests_running=int(metrics["num_requests_running"]),
-            num_requests_waiting=int(metrics["num_requests_waiting"]),
-            kv_cache_usage_perc=metrics["kv_cache_usage_perc"],
-            num_free_blocks=int(metrics["num_free_blocks"]),
-            prefix_cache_hit_rate=metrics["prefix_cache_hit_rate"],
-            kv_transfer_bytes_total=s.bytes_total, kv_transfer_seconds_total=s.seconds_total,
-            kv_transfer_count=s.count, kv_transfer_failures_total=s.failures_total,
-            extra={"remote_prefill_failures_total": float(self.remote_prefill_failures)})
+        return replica_stats("decode", replica_id, metrics, self.backend.stats, {"remote_prefill_failures_total": float(self.remote_prefill_failures)})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

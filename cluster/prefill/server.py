@@ -11,11 +11,11 @@ import ray
 from ray import serve
 
 from cluster.common.messages import PrefillRequest, PrefillResult, ReplicaStats
+from cluster.common.reporting import report_forever, routing_stats
 from cluster.config import ClusterConfig
 from cluster.prefill.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
-REPORT_PERIOD_S = 0.5
 
 
 @serve.deployment(name="PrefillServer", max_ongoing_requests=512)
@@ -25,7 +25,8 @@ class PrefillServer:
         node_id = ray.get_runtime_context().get_node_id()
         self.worker = PrefillWorker(config, engine_id=f"prefill-{self.replica_id}", node_id=node_id)
         self.state = state
-        self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
+        self._reporter = asyncio.get_running_loop().create_task(
+            report_forever(state, self.stats, self.worker.engine.engine.backends))
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         return await self.worker.prefill(request)
@@ -34,9 +35,7 @@ class PrefillServer:
         return await self.worker.stats(self.replica_id)
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        s = await self.stats()
-        return {"waiting": s.num_requests_waiting, "running": s.num_requests_running,
-                "free_blocks": s.num_free_blocks}
+        return routing_stats(await self.stats())
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Load for the planner (cluster.router.planner), when the deployment autoscales."""
@@ -51,14 +50,6 @@ class PrefillServer:
     async def check_health(self) -> None:
         if self.worker.engine.dead is not None:
             raise RuntimeError(f"engine loop stopped: {self.worker.engine.dead}")
-
-    async def _report_forever(self) -> None:
-        while self.state is not None:
-            try:
-                await self.state.report.remote(await self.stats(), self.worker.engine.engine.backends())
-            except Exception:  # noqa: BLE001 - metrics must never take the replica down
-                logger.debug("stats report failed", exc_info=True)
-            await asyncio.sleep(REPORT_PERIOD_S)
 
     def __del__(self) -> None:
         worker = getattr(self, "worker", None)

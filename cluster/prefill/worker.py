@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from cluster.common.errors import ClusterError, KVTransferError, RequestTimeoutError
 from cluster.common.messages import PrefillRequest, PrefillResult, ReplicaStats
+from cluster.common.reporting import replica_stats
 from cluster.config import ClusterConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
@@ -118,16 +119,7 @@ class PrefillWorker:
 
     async def stats(self, replica_id: str) -> ReplicaStats:
         metrics = await self.engine.run(lambda e: e.metrics())
-        s = self.backend.stats
-        return ReplicaStats(
-            role="prefill", replica_id=replica_id,
-            num_requests_running=int(metrics["num_requests_running"]),
-            num_requests_waiting=int(metrics["num_requests_waiting"]),
-            kv_cache_usage_perc=metrics["kv_cache_usage_perc"],
-            num_free_blocks=int(metrics.get("num_free_blocks", 0)),
-            prefix_cache_hit_rate=metrics["prefix_cache_hit_rate"],
-            kv_transfer_bytes_total=s.bytes_total, kv_transfer_seconds_total=s.seconds_total,
-            kv_transfer_count=s.count, kv_transfer_failures_total=s.failures_total)
+        return replica_stats("prefill", replica_id, metrics, self.backend.stats, None)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -1,0 +1,46 @@
+"""What every serving replica reports, shared by the prefill and decode roles (which never import
+each other): its ReplicaStats built from engine metrics and transfer counters, the routing stats
+Serve's routers read, and the loop that pushes reports to the ClusterState deployment."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from cluster.common.messages import ReplicaStats
+
+logger = logging.getLogger(__name__)
+REPORT_PERIOD_S = 0.5
+
+
+def replica_stats(role: str, replica_id: str, metrics: dict[str, float], transfer: Any,
+                  extra: dict[str, Any] | None = None) -> ReplicaStats:
+    """``metrics``: LLMEngine.metrics(); ``transfer``: a backend's TransferStats."""
+    return ReplicaStats(
+        role=role, replica_id=replica_id,
+        num_requests_running=int(metrics["num_requests_running"]),
+        num_requests_waiting=int(metrics["num_requests_waiting"]),
+        kv_cache_usage_perc=metrics["kv_cache_usage_perc"],
+        num_free_blocks=int(metrics["num_free_blocks"]),
+        prefix_cache_hit_rate=metrics["prefix_cache_hit_rate"],
+        kv_transfer_bytes_total=transfer.bytes_total, kv_transfer_seconds_total=transfer.seconds_total,
+        kv_transfer_count=transfer.count, kv_transfer_failures_total=transfer.failures_total,
+        extra=dict(extra or {}))
+
+
+def routing_stats(stats: ReplicaStats) -> dict[str, Any]:
+    """What the request routers (cluster.router.routers) rank replicas by."""
+    return {"waiting": stats.num_requests_waiting, "running": stats.num_requests_running,
+            "free_blocks": stats.num_free_blocks}
+
+
+async def report_forever(state: Any, stats: Callable[[], Awaitable[ReplicaStats]],
+                         backends: Callable[[], list[dict[str, Any]]], period_s: float = REPORT_PERIOD_S) -> None:
+    """Push this replica's stats and kernel table to ClusterState every ``period_s``, for ever."""
+    while state is not None:
+        try:
+            await state.report.remote(await stats(), backends())
+        except Exception:  # noqa: BLE001 - metrics must never take the replica down
+            logger.debug("stats report failed", exc_info=True)
+        await asyncio.sleep(period_s)
