@@ -50,6 +50,15 @@ class Cluster:
             time.sleep(0.5)
         raise TimeoutError("the application did not become healthy")
 
+    def wait_for_metric(self, name: str, predicate: Any, timeout: float = 10.0, **labels: str) -> list[float]:
+        """The metric's values once ``predicate(values)`` holds (replicas report every 0.5 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            values = self.metric(name, **labels)
+            if predicate(values) or time.monotonic() > deadline:
+                return values
+            time.sleep(0.25)
+
     def metric(self, name: str, **labels: str) -> list[float]:
         """Values of a metric's samples whose labels include ``labels``."""
         from prometheus_client.parser import text_string_to_metric_families

@@ -102,7 +102,9 @@ def test_injected_transfer_failure(cluster, model_dir):
         else:
             assert resp.status_code == 500
             assert "injected transfer failure" in resp.json()["error"]["message"]
-        assert sum(cluster.metric("cluster:kv_transfer_failures_total", role="prefill")) >= 1
+        failures = cluster.wait_for_metric("cluster:kv_transfer_failures_total", lambda v: sum(v) >= 1,
+                                           role="prefill")
+        assert sum(failures) >= 1
         assert complete(cluster, name, prompt).status_code == 200  # others go on
         wait_until_idle(cluster)
 
