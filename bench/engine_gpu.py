@@ -4,6 +4,7 @@ HBM roofline and HuggingFace transformers measured in the same run.
 Rows (issue 5):
   decode-b1     one 512-token prompt, decode step time; roofline = weight bytes / copy bandwidth
   decode-b32    32 prompts of 512 tokens; roofline = (weights + KV read per step) / copy bandwidth
+  *-sync        the same with async_scheduling off (each step waits for its tokens before the next)
   throughput    256 requests in flight, 512 in / 128 out: generated tokens / wall time
   transformers  ``generate`` with a static cache (it compiles itself) at batch 1 and 32 (and its
                 best batch for throughput)
@@ -84,23 +85,28 @@ def make_engine(loaded: LoadedModel, device: torch.device, max_num_seqs: int, ea
 
 
 def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, tag: str) -> dict[str, float]:
+    """Decode step time: the median interval between consecutive ``step()`` returns while every
+    request decodes (prefill steps and the last steps excluded). No synchronisation is added
+    between steps, so a pipelined engine (``async_scheduling``) overlaps as it does in serving;
+    each ``step()`` still waits for the tokens it returns, so an interval is one step's work."""
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
         ids = torch.randint(100, engine.vocab_size - 100, (prompt_len,), generator=gen).tolist()
         engine.add_request(f"{tag}-{i}", ids, params)
-    steps, wall0 = [], time.perf_counter()
-    while engine.has_unfinished_requests():
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    torch.cuda.synchronize()
+    wall0 = time.perf_counter()
+    returns, decoding = [], []
+    while engine.has_work():
         engine.step()
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        if all(g.samples[0].num_output_tokens > 0 for g in engine.groups.values()) and engine.groups:
-            steps.append(elapsed)
+        returns.append(time.perf_counter())
+        decoding.append(bool(engine.groups) and all(g.samples[0].num_output_tokens > 0
+                                                    for g in engine.groups.values()))
     wall = time.perf_counter() - wall0
-    step = median(steps[2:-1] or steps)
-    return {"step_ms": 1000 * step, "tok_s": batch / step, "wall_s": wall, "steps_timed": len(steps)}
+    steps = [b - a for a, b, ok in zip(returns, returns[1:], decoding) if ok]
+    step = median(steps[2:-2] or steps)
+    return {"step_ms": 1000 * step, "tok_s": batch / step, "wall_s": wall, "steps_timed": len(steps),
+            "pipelined_steps": engine.num_pipelined_steps}
 
 
 def throughput(engine: LLMEngine, requests: int, prompt_len: int, new_tokens: int) -> dict[str, float]:
@@ -165,12 +171,16 @@ def main() -> None:
     result["weight_bytes"] = wbytes
     kv_per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
     rows = result["rows"]
-    sections = [("decode-b1", 1, 512, 64), ("decode-b32", 32, 512, 64)]
+    sections = [("decode-b1", 1, 512, 64), ("decode-b32", 32, 512, 64),
+                ("decode-b1-sync", 1, 512, 64), ("decode-b32-sync", 32, 512, 64)]
     try:
         engine = make_engine(loaded, device, 256, eager=False)
         result["kernels"] = engine.backends()
         result["cuda_graphs"] = engine.runner.graphs.sizes if engine.runner.graphs else None
         for name, batch, plen, new in sections:
+            # "-sync": async_scheduling off (each step reads its own tokens before the next is launched)
+            engine._pipelined = not name.endswith("-sync")
+            engine.num_pipelined_steps = 0
             try:
                 r = decode_steps(engine, batch, plen, new, name)
                 ctx = plen + new // 2
@@ -180,6 +190,7 @@ def main() -> None:
                 print(name, json.dumps(r))
             except Exception as exc:  # noqa: BLE001 - record and go on
                 result["errors"][name] = repr(exc)
+        engine._pipelined = True
         try:
             rows["throughput-256x512+128"] = throughput(engine, 256, 512, 128)
             print("throughput", json.dumps(rows["throughput-256x512+128"]))

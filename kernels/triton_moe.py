@@ -52,11 +52,14 @@ def _prune(configs: list[triton.Config], named_args: dict[str, Any],
            **kwargs: Any) -> list[triton.Config]:
     """fp8_block tiles must sit inside one 128-column scale block, and 256-deep bf16 tiles cost
     too much shared memory: 256-deep K tiles only for fp4. Eight warps only for M blocks of 64
-    rows (prefill-sized)."""
+    rows (prefill-sized). Float32 multiplies (``F32_DOT``: correctness paths, not tuned) take the
+    first config left."""
     fmt, block_m = kwargs["FMT"], kwargs["BLOCK_M"]
     kept = [c for c in configs
             if not (fmt in (0, 1) and c.kwargs["BLOCK_K"] > 128)
             and not (block_m < 64 and c.num_warps > 4)]
+    if kwargs.get("F32_DOT"):
+        kept = kept[:1]
     return kept or configs[:1]
 
 
@@ -86,13 +89,20 @@ def _load_rows(a_ptr, a_rows, stride_at, m_mask, k0, K, BLOCK_K: tl.constexpr,
 @triton.jit
 def _weight_dot(acc, a, w_base, s_base, rows, n_mask, k0, K, stride_wn, stride_sn,
                 FMT: tl.constexpr, SCALE_UE8M0: tl.constexpr, FAST: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
     """``acc + w[rows, k0:k0 + BLOCK_K] @ a.T``: ``[BLOCK_N, BLOCK_M]`` float32 (weights as the
     MMA's A operand: the decoded registers feed it as they are, and the few activation rows are
     the small operand), every scale applied except the nvfp4 global one and the fp4 tile shift
-    (:func:`_fp4_out_scale`)."""
+    (:func:`_fp4_out_scale`). ``F32_DOT``: both operands in float32, multiplied in full
+    precision (float32 activations; float16 ones with fp4 weights, whose tiles are scaled below
+    float16's range)."""
     w = load_weight_tile(w_base, s_base, rows, n_mask, k0, K, stride_wn, stride_sn, FMT,
                          BLOCK_K, EVEN_K, FAST)
+    if F32_DOT:
+        d = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+        if FMT == 1:
+            return acc + d * fp8_row_scale(s_base, rows, n_mask, k0, stride_sn, SCALE_UE8M0)[:, None]
+        return acc + d
     if FMT == 1:
         scale = fp8_row_scale(s_base, rows, n_mask, k0, stride_sn, SCALE_UE8M0)
         return acc + tl.dot(w.to(a.dtype), tl.trans(a)) * scale[:, None]
@@ -116,7 +126,8 @@ def _w13_swiglu_kernel(
     N, K, num_pairs, top_k, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_gs,
     stride_ot, clamp, size_class, FMT: tl.constexpr, SCALE_UE8M0: tl.constexpr,
     HAS_CLAMP: tl.constexpr, PAIRED_OUT: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """``out[p, n] = swiglu(x[p // top_k] @ w13[e].T)[n]`` for ``N = I`` columns (column ``n``
     stored at its fp4 paired position if ``PAIRED_OUT``); ``x`` in paired order for fp4."""
@@ -136,9 +147,9 @@ def _w13_swiglu_kernel(
     for k0 in range(0, K, BLOCK_K):
         a = _load_rows(x_ptr, tokens, stride_xt, m_mask, k0, K, BLOCK_K, EVEN_K, UPCAST)
         gate = _weight_dot(gate, a, w_base, s_base, rows, n_mask, k0, K, stride_wn, stride_sn,
-                           FMT, SCALE_UE8M0, FAST, BLOCK_K, EVEN_K)
+                           FMT, SCALE_UE8M0, FAST, BLOCK_K, EVEN_K, F32_DOT)
         up = _weight_dot(up, a, w_base, s_base, rows + N, n_mask, k0, K, stride_wn, stride_sn,
-                         FMT, SCALE_UE8M0, FAST, BLOCK_K, EVEN_K)
+                         FMT, SCALE_UE8M0, FAST, BLOCK_K, EVEN_K, F32_DOT)
     if FMT >= 2:
         out_scale = _fp4_out_scale(gs_ptr, expert, stride_gs, FMT)
         gate *= out_scale
@@ -160,8 +171,8 @@ def _w2_kernel(
     a_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
     topk_weights_ptr, N, K, num_pairs, stride_at, stride_we, stride_wn, stride_se, stride_sn,
     stride_gs, stride_ot, size_class, FMT: tl.constexpr, SCALE_UE8M0: tl.constexpr,
-    UPCAST: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, FAST: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """``out[p, n] = topk_weight[p] * (act[p] @ w2[e].T)[n]`` for ``N = H`` columns."""
     pid_m = tl.program_id(1)
@@ -179,7 +190,7 @@ def _w2_kernel(
     for k0 in range(0, K, BLOCK_K):
         a = _load_rows(a_ptr, pairs64, stride_at, m_mask, k0, K, BLOCK_K, EVEN_K, UPCAST)
         acc = _weight_dot(acc, a, w_base, s_base, rows, n_mask, k0, K, stride_wn, stride_sn, FMT,
-                          SCALE_UE8M0, FAST, BLOCK_K, EVEN_K)
+                          SCALE_UE8M0, FAST, BLOCK_K, EVEN_K, F32_DOT)
     if FMT >= 2:
         acc *= _fp4_out_scale(gs_ptr, expert, stride_gs, FMT)
     route = tl.load(topk_weights_ptr + pairs64, mask=m_mask, other=0.0).to(tl.float32)
@@ -218,13 +229,21 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _fast_decode(fmt: int, device: torch.device) -> bool:
-    """Hardware/PTX decoders (``kernels.triton_quant``): on CUDA; formats with e4m3 bytes (fp8
-    weights, nvfp4 scales) need sm_89+."""
-    if INTERPRET or PORTABLE_DECODE or device.type != "cuda":
+def _fast_decode(fmt: int, x: torch.Tensor) -> bool:
+    """Hardware/PTX decoders (``kernels.triton_quant``): on CUDA, for bfloat16 activations (the
+    tuned path; other dtypes take the portable decoder and ``_f32_dot``); formats with e4m3
+    bytes (fp8 weights, nvfp4 scales) need sm_89+."""
+    device = x.device
+    if INTERPRET or PORTABLE_DECODE or device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return fmt == FMT_CODES["mxfp4"] or _capability(index) >= (8, 9)
+
+
+def _f32_dot(fmt: int, x: torch.Tensor) -> bool:
+    """Multiply in float32 (no tensor-float32 rounding): float32 activations, and float16 ones
+    against fp4 tiles (scaled by ``2**-FP4_SHIFT``, below float16's range)."""
+    return x.dtype == torch.float32 or (x.dtype == torch.float16 and fmt in _FP4)
 
 
 def _size_class(num_pairs: int) -> int:
@@ -275,15 +294,15 @@ def fused_moe_triton(x: torch.Tensor, w13: MoEWeight, w2: MoEWeight, topk_weight
         s13.stride(0), s13.stride(1) if s13.dim() > 1 else 0, gs13, act.stride(0),
         clamp if clamp is not None else 0.0, size_class,
         FMT=fmt13, SCALE_UE8M0=ue13, HAS_CLAMP=clamp is not None, PAIRED_OUT=fmt2 in _FP4,
-        UPCAST=INTERPRET, FAST=_fast_decode(fmt13, x.device), BLOCK_M=block_m,
+        UPCAST=INTERPRET, FAST=_fast_decode(fmt13, x), F32_DOT=_f32_dot(fmt13, x), BLOCK_M=block_m,
     )
     partial = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)  # [P, H]
     _w2_kernel[lambda m: (triton.cdiv(hidden, m["BLOCK_N"]), num_blocks)](
         act, d2, s2, g2, partial, sorted_ids, expert_ids, num_padded, weights,
         hidden, inter, num_pairs, act.stride(0), d2.stride(0), d2.stride(1),
         s2.stride(0), s2.stride(1) if s2.dim() > 1 else 0, gs2, partial.stride(0), size_class,
-        FMT=fmt2, SCALE_UE8M0=ue2, UPCAST=INTERPRET, FAST=_fast_decode(fmt2, x.device),
-        BLOCK_M=block_m,
+        FMT=fmt2, SCALE_UE8M0=ue2, UPCAST=INTERPRET, FAST=_fast_decode(fmt2, x),
+        F32_DOT=_f32_dot(fmt2, x), BLOCK_M=block_m,
     )
     out = torch.empty_like(x)
     block = min(triton.next_power_of_2(hidden), 1024)

@@ -42,7 +42,9 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, 
     ids = np.empty(total, dtype=np.int64)
     for s, begin in zip(scheduled, query_start[:-1].tolist()):
         c, n = s.num_computed_tokens, s.num_new_tokens
-        ids[begin:begin + n] = s.request.all_token_ids[c:c + n]
+        known = s.request.all_token_ids[c:c + n]
+        ids[begin:begin + len(known)] = known
+        ids[begin + len(known):begin + n] = 0  # sampled by the step in flight: filled on the device
     seq_index = np.repeat(np.arange(len(scheduled)), counts)
     positions = starts[seq_index] + (np.arange(total) - query_start[:-1][seq_index])
     tables, slots = [], []

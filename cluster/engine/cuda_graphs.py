@@ -7,11 +7,17 @@ scheduled request decodes one token and the batch fits the largest graph; the st
 copied into the buffers (padding rows write nowhere: slot -1, null blocks) and the graph replays.
 Larger or mixed batches run eagerly. Graphs need kernels with no host synchronisation and no
 shape that depends on the step (the Triton attention path); the model declares that with
-``supports_cuda_graphs``."""
+``supports_cuda_graphs``.
+
+Filling the buffers never waits for the GPU: host values go through pinned memory (a copy from
+pageable memory would synchronise), so the engine can prepare and launch step N+1 while step N
+runs. A pipelined step's input tokens may still be on the device (sampled by the step in flight):
+``run`` takes them from there (``token_source``)."""
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from cluster.common.kv_spec import KVGroupSpec
@@ -83,29 +89,42 @@ class DecodeGraphs:
         return bool(self.graphs) and batch.decode_only and batch.num_seqs <= self.max_batch
 
     @torch.inference_mode()
-    def run(self, batch: HostBatch) -> torch.Tensor:
-        """Replay the smallest graph that holds the batch; returns hidden states ``[B, H]``."""
+    def run(self, batch: HostBatch, token_source: tuple[np.ndarray, torch.Tensor] | None = None) -> torch.Tensor:
+        """Replay the smallest graph that holds the batch; returns hidden states ``[B, H]``.
+        ``token_source``: ``(rows, tokens)``: where ``rows[i] >= 0``, sequence ``i``'s input token
+        is ``tokens[rows[i]]`` (a device tensor), not ``batch.input_ids[i]``."""
         n = batch.num_seqs
         size = next(s for s in self.sizes if s >= n)
-        _fill(self.input_ids, batch.input_ids, size, 0)
-        _fill(self.positions, batch.positions, size, 0)
-        _fill(self.seq_lens, batch.seq_lens, size, 1)
+        # Every per-sequence vector in one pinned host buffer, one copy to the device.
+        columns = [(self.input_ids, batch.input_ids, 0), (self.positions, batch.positions, 0),
+                   (self.seq_lens, batch.seq_lens, 1)]
+        columns += [(target, slots, -1) for target, slots in zip(self.slot_mappings, batch.slot_mappings)
+                    if target is not None and slots is not None]
+        if token_source is not None:
+            columns.append((None, token_source[0], -1))
+        tables = [np.asarray(t, dtype=np.int64).reshape(-1) for t in batch.block_tables]
+        host = np.empty(len(columns) * size + sum(t.size for t in tables), dtype=np.int64)
+        for j, (_, values, pad) in enumerate(columns):
+            host[j * size:j * size + n] = values
+            host[j * size + n:(j + 1) * size] = pad
+        offset = len(columns) * size
+        for t in tables:
+            host[offset:offset + t.size] = t
+            offset += t.size
+        staged = torch.from_numpy(host).pin_memory().to(self.device, non_blocking=True)
+        for j, (target, _, _) in enumerate(columns):
+            if target is not None:
+                target[:size].copy_(staged[j * size:(j + 1) * size])
+        offset = len(columns) * size
         for g, table in enumerate(batch.block_tables):
             dest = self.block_tables[g]
             dest[:size].zero_()
-            dest[:n, :table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
-            slots = batch.slot_mappings[g]
-            target = self.slot_mappings[g]
-            if slots is not None and target is not None:
-                _fill(target, slots, size, -1)
+            dest[:n, :table.shape[1]].copy_(staged[offset:offset + table.size].view(table.shape))
+            offset += table.size
+        if token_source is not None:
+            rows = staged[(len(columns) - 1) * size:len(columns) * size]
+            previous = token_source[1]
+            picked = previous.index_select(0, rows.clamp(min=0, max=previous.numel() - 1))
+            self.input_ids[:size].copy_(torch.where(rows >= 0, picked, self.input_ids[:size]))
         self.graphs[size].replay()
         return self.outputs[size][:n]
-
-
-def _fill(dest: torch.Tensor, values: object, size: int, pad: int) -> None:
-    import numpy as np
-    host = torch.from_numpy(np.asarray(values)).to(dest.dtype)
-    n = host.shape[0]
-    dest[:n].copy_(host, non_blocking=True)
-    if size > n:
-        dest[n:size].fill_(pad)

@@ -1,13 +1,22 @@
 """LLMEngine: one device's engine. ``step()`` is three calls: schedule, run the model, process
 the outputs. Requests come in through ``add_request`` (validated, tokenized, split into n samples)
 and leave as RequestOutputs; ``abort_request`` ends them in any state. No threads, no network:
-the async and serving layers drive ``step()`` from outside."""
+the async and serving layers drive ``step()`` from outside.
+
+Pipelined decode (``async_scheduling``, CUDA graphs): while every running request decodes one
+token with device-side sampling (no penalties, no logprobs) and nothing waits for admission,
+``step()`` schedules and launches step N+1 (its input tokens taken on the device from step N's
+samples) before it reads step N's tokens and runs their stop checks, detokenization and outputs;
+the GPU never waits for the host. A request that stops at step N has step N+1 computed for
+nothing (its blocks are freed; stream order keeps later writes after it). Any other step first
+completes the one in flight, then runs synchronously. Tokens are identical either way."""
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -19,12 +28,23 @@ from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.model_runner import KVAllocator, ModelRunner, RunnerOutput, plan_num_blocks
 from cluster.engine.output_processor import OutputProcessor, RequestGroup
 from cluster.engine.request import Request, RequestStatus
-from cluster.engine.scheduler import ScheduledRequest, Scheduler
+from cluster.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from cluster.models.registry import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class InFlightStep:
+    """A launched pipelined step whose sampled tokens are not yet read."""
+
+    scheduled: list[ScheduledRequest]
+    tokens: torch.Tensor  # [B] int64 on the device
+    host: torch.Tensor  # [B] int64 pinned, filled by an asynchronous copy
+    done: torch.cuda.Event | None  # None on CPU (nothing runs asynchronously)
+    rows: dict[str, int]  # request id -> row in tokens
 CPU_MAX_MODEL_LEN = 8192
 
 
@@ -76,6 +96,12 @@ class LLMEngine:
         self._quarantine: list[tuple[float, list[list[int]]]] = []
         #: (request id, tokens computed before, tokens computed) of every request in the last step.
         self.last_step: list[tuple[str, int, int]] = []
+        self._in_flight: InFlightStep | None = None
+        self._pipelined = (self.scheduler_config.async_scheduling and self.runner.graphs is not None
+                           and self.scheduler_config.role != "prefill")
+        #: Steps launched pipelined / run synchronously (metrics, tests).
+        self.num_pipelined_steps = 0
+        self.num_sync_steps = 0
 
     # --- start-up --------------------------------------------------------------------------------
 
@@ -196,27 +222,114 @@ class LLMEngine:
         return bool(self.groups)
 
     def has_work(self) -> bool:
-        """Anything to step for: unfinished requests, outputs not yet returned, quarantined blocks."""
-        return bool(self.groups) or bool(self._pending) or bool(self._quarantine)
+        """Anything to step for: unfinished requests, outputs not yet returned, quarantined blocks,
+        a pipelined step in flight."""
+        return (bool(self.groups) or bool(self._pending) or bool(self._quarantine)
+                or self._in_flight is not None)
 
     # --- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         self._release_quarantine()
         self._expire_deadlines()
-        sched = self.scheduler.schedule()
+        if self._pipelined and self._pipeline_ready():
+            sched = self.scheduler.schedule()
+            if self.runner.can_launch(sched):
+                self._launch(sched)
+                return self._collect()
+            self._complete_in_flight()  # not expected (the checks above hold), but always safe
+            sched.scheduled = [s for s in sched.scheduled if s.request.status is RequestStatus.RUNNING]
+        else:
+            self._complete_in_flight()
+            sched = self.scheduler.schedule()
         self.last_step = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
         if not sched.is_empty:
+            self.num_sync_steps += 1
             tables = {s.request.request_id: self.kv.block_tables(s.request.request_id) for s in sched.scheduled}
             try:
                 result = self.runner.execute(sched, tables)
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the loop
                 logger.exception("model step failed")
-                for s in sched.scheduled:
-                    self.scheduler.finish(s.request, RequestStatus.FINISHED_ERROR, error=f"model step failed: {exc}")
-                    self._mark_changed(s.request)
+                self._fail(sched.scheduled, exc)
             else:
                 self._process(sched.scheduled, result)
+        return self._collect()
+
+    def _fail(self, scheduled: list[ScheduledRequest], exc: Exception) -> None:
+        for s in scheduled:
+            self.scheduler.finish(s.request, RequestStatus.FINISHED_ERROR, error=f"model step failed: {exc}")
+            self._mark_changed(s.request)
+
+    def _pipeline_ready(self) -> bool:
+        """The next step can be launched before the one in flight is read: every running request
+        decodes exactly one token (counting the one in flight), samples on the device, fits the
+        graphs, and the pool has a block for each (so nothing is preempted); nothing waits."""
+        sch = self.scheduler
+        graphs = self.runner.graphs
+        if sch.waiting or not sch.running or (graphs is not None and len(sch.running) > graphs.max_batch):
+            return False
+        if min(self.kv.num_free_blocks()) < len(sch.running):
+            return False
+        for r in sch.running:
+            if r.num_tokens + r.num_pending - r.num_computed_tokens != 1:
+                return False
+            p = r.sampling_params
+            if p.logprobs is not None or p.has_penalties:
+                return False
+        return True
+
+    def _launch(self, sched: SchedulerOutput) -> None:
+        """Launch a pipelined step, then read the previous one (the GPU runs this one meanwhile)."""
+        previous = self._in_flight
+        tables = {s.request.request_id: self.kv.block_tables(s.request.request_id) for s in sched.scheduled}
+        self.last_step = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+        try:
+            tokens = self.runner.launch(sched, tables, previous.rows if previous else {},
+                                        previous.tokens if previous else None)
+            host, done = tokens, None
+            if tokens.is_cuda:
+                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                host.copy_(tokens, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+        except Exception as exc:  # noqa: BLE001 - as in step(): fail the batch, keep the loop
+            logger.exception("model step failed")
+            self._complete_in_flight()
+            self._fail([s for s in sched.scheduled if s.request.status is RequestStatus.RUNNING], exc)
+            return
+        self.num_pipelined_steps += 1
+        for s in sched.scheduled:
+            self.scheduler.mark_computed(s)
+            s.request.num_pending += 1
+        self._in_flight = InFlightStep(sched.scheduled, tokens, host, done,
+                                       {s.request.request_id: i for i, s in enumerate(sched.scheduled)})
+        if previous is not None:
+            self._complete(previous)
+
+    def _complete_in_flight(self) -> None:
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._complete(step)
+
+    def _complete(self, step: InFlightStep) -> None:
+        """Read a pipelined step's tokens (waiting for it) and process them as a step would."""
+        if step.done is not None:
+            step.done.synchronize()
+        block_size = self.cache_config.block_size
+        for s, token in zip(step.scheduled, step.host.tolist()):
+            request = s.request
+            request.num_pending = max(0, request.num_pending - 1)
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished, aborted or preempted meanwhile: this token is dropped
+            request.append_output(token, None, block_size)
+            self._after_token(request)
+        if self._in_flight is not None:  # the running step's blocks include the new full ones
+            for s in self._in_flight.scheduled:
+                request = s.request
+                if request.status is RequestStatus.RUNNING:
+                    self.kv.cache_full_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+
+    def _collect(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         changed, self._changed = self._changed, {}
         for group in changed.values():

@@ -24,14 +24,16 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, num_kv_blocks: int | None = None,
-                 enable_prefix_caching: bool = True, seed: int = 0, **model_kwargs: Any) -> None:
+                 enable_prefix_caching: bool = True, seed: int = 0, async_scheduling: bool = True,
+                 **model_kwargs: Any) -> None:
         model_config = ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                    seed=seed, **model_kwargs)
         cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    kv_cache_memory_bytes=kv_cache_memory_bytes,
                                    enable_prefix_caching=enable_prefix_caching)
         scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs,
-                                           max_num_batched_tokens=max_num_batched_tokens)
+                                           max_num_batched_tokens=max_num_batched_tokens,
+                                           async_scheduling=async_scheduling)
         self.engine = LLMEngine(model_config, cache_config, scheduler_config)
         self._ids = itertools.count()
 

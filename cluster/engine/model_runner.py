@@ -16,7 +16,7 @@ from cluster.common.outputs import PositionLogprobs
 from cluster.engine.batch import HostBatch, build_host_batch
 from cluster.engine.cuda_graphs import DecodeGraphs
 from cluster.engine.request import Request
-from cluster.engine.sampler import Sampler, SamplingRow
+from cluster.engine.sampler import Sampler, SamplingRow, to_device
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from cluster.models.context import ForwardContext
 
@@ -81,21 +81,58 @@ class ModelRunner:
         out = RunnerOutput()
         if not sample_rows:
             return out
-        index = torch.tensor([row for row, _ in sample_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[index])  # [N, V]
+        logits = self.model.compute_logits(self._sampled_hidden(hidden, sample_rows))  # [N, V]
         requests = [s.request for _, s in sample_rows]
-        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                            self._banned(r), r.sample_index) for r in requests]
-        tokens, logprobs = self.sampler(logits, rows)
+        tokens, logprobs = self.sampler(logits, [self._sampling_row(r) for r in requests])
         for r, token, lp in zip(requests, tokens, logprobs):
             out.sampled[r.request_id] = token
             out.logprobs[r.request_id] = lp
         return out
 
+    def can_launch(self, sched: SchedulerOutput) -> bool:
+        """Whether ``launch`` can run this step: every request decodes one token and samples it,
+        within the captured graphs."""
+        limit = self.graphs.max_batch if self.graphs is not None else len(sched.scheduled)
+        return (0 < len(sched.scheduled) <= limit
+                and all(s.num_new_tokens == 1 and s.samples_with_pending for s in sched.scheduled))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
+               token_rows: dict[str, int], previous: torch.Tensor | None) -> torch.Tensor:
+        """Run a decode step (``can_launch``) as a graph and sample, without waiting for the GPU:
+        returns the sampled tokens ``[B]`` on the device. A request in ``token_rows`` takes its
+        input token from ``previous[token_rows[id]]`` (sampled by the step still in flight)."""
+        batch = build_host_batch(sched.scheduled, block_tables, self.specs)
+        source = None
+        if token_rows and previous is not None:
+            rows = np.array([token_rows.get(s.request.request_id, -1) for s in sched.scheduled], dtype=np.int64)
+            source = (rows, previous)
+        if self.graphs is not None:
+            hidden = self.graphs.run(batch, source)
+        else:  # eager (CPU, or graphs off): same bookkeeping, nothing to overlap
+            ctx, input_ids = self._context(batch)
+            if source is not None:
+                rows_t = torch.from_numpy(source[0]).to(self.device)
+                picked = previous.index_select(0, rows_t.clamp(min=0))
+                input_ids = torch.where(rows_t >= 0, picked, input_ids)
+            hidden = self.model(input_ids, ctx)
+        logits = self.model.compute_logits(hidden)  # decode-only: row i is sequence i
+        return self.sampler.sample_tokens(logits, [self._sampling_row(s.request) for s in sched.scheduled])
+
+    def _sampled_hidden(self, hidden: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequest]]) -> torch.Tensor:
+        rows = [row for row, _ in sample_rows]
+        if rows == list(range(hidden.shape[0])):  # decode-only: every row, in order
+            return hidden
+        return hidden.index_select(0, to_device(rows, torch.long, self.device))
+
+    def _sampling_row(self, r: Request) -> SamplingRow:
+        return SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, self._banned(r),
+                           r.sample_index, r.num_pending)
+
     @staticmethod
     def _banned(request: Request) -> tuple[int, ...]:
         p = request.sampling_params
-        if request.num_output_tokens >= p.min_tokens:
+        if request.num_output_tokens + request.num_pending >= p.min_tokens:
             return ()
         return tuple(p.stop_token_ids) + (() if p.ignore_eos else request.eos_token_ids)
 

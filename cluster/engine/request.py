@@ -63,6 +63,9 @@ class Request:
     hold_blocks_on_finish: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    #: Tokens sampled by a step still running on the device, not yet appended (pipelined
+    #: decode, see LLMEngine): their positions are computed, their values not yet known here.
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

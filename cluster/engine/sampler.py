@@ -4,7 +4,12 @@ Order: logprobs are taken from the raw distribution (as vLLM does); then min_tok
 tokens, repetition/presence/frequency penalties, greedy argmax or temperature, min-p, top-k,
 top-p and a draw. Each draw uses noise from a generator seeded by (request seed, sample index,
 output position), so a seeded request gets the same tokens whatever else shares the batch and
-whichever worker (prefill or decode) samples a given position."""
+whichever worker (prefill or decode) samples a given position.
+
+``sample_tokens`` leaves the tokens on the device and never waits for the GPU (host values reach
+the device through pinned memory), so a pipelined engine can launch the next step before it reads
+them; rows may then have a token still in flight (``num_pending``), which counts for their output
+position."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,6 +30,17 @@ class SamplingRow:
     #: Tokens that must not be sampled yet (stop/eos ids while under min_tokens).
     banned_token_ids: tuple[int, ...]
     sample_index: int = 0
+    #: Tokens already sampled for this request but not yet in ``output_token_ids`` (pipelining).
+    num_pending: int = 0
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without a synchronisation: through pinned memory (torch's
+    caching host allocator keeps the buffer until the copy has run)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class Sampler:
@@ -41,20 +57,25 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()  # [N, V]
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
-        logits = self._mask_banned(logits, rows)
-        logits = self._apply_penalties(logits, rows)
-        tokens = self._draw(logits, rows)
-        token_list = tokens.tolist()
+        token_list = self.sample_tokens(logits, rows).tolist()
         logprobs: list[PositionLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprobs = self._gather_logprobs(raw_logprobs, token_list, rows)
         return token_list, logprobs
 
+    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The next token of every row, ``[N]`` int64 on the device; no host synchronisation."""
+        logits = logits[:, : self.vocab_size].float()
+        logits = self._mask_banned(logits, rows)
+        logits = self._apply_penalties(logits, rows)
+        return self._draw(logits, rows)
+
     def _mask_banned(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         for i, row in enumerate(rows):
             if row.banned_token_ids:
                 ids = [t for t in row.banned_token_ids if t < self.vocab_size]
-                logits[i, ids] = float("-inf")
+                if ids:
+                    logits[i].index_fill_(0, to_device(ids, torch.long, logits.device), float("-inf"))
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -62,12 +83,12 @@ class Sampler:
             p = row.params
             if not p.has_penalties:
                 continue
-            out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+            out_ids = to_device(row.output_token_ids, torch.long, logits.device)
             counts = torch.bincount(out_ids, minlength=self.vocab_size)[: self.vocab_size].float()
             if p.repetition_penalty != 1.0:
                 seen = counts > 0
                 if row.prompt_token_ids:
-                    prompt_ids = torch.tensor(row.prompt_token_ids, dtype=torch.long, device=logits.device)
+                    prompt_ids = to_device(row.prompt_token_ids, torch.long, logits.device)
                     seen[prompt_ids[prompt_ids < self.vocab_size]] = True
                 penalised = torch.where(logits[i] > 0, logits[i] / p.repetition_penalty,
                                         logits[i] * p.repetition_penalty)
@@ -80,21 +101,22 @@ class Sampler:
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
             return tokens
-        sub = logits[random_rows]
+        index = to_device(random_rows, torch.long, logits.device)
+        sub = logits.index_select(0, index)
         params = [rows[i].params for i in random_rows]
-        sub = sub / torch.tensor([p.temperature for p in params], device=sub.device)[:, None]
-        top_k = torch.tensor([p.top_k for p in params], device=sub.device) if any(
-            p.top_k > 0 for p in params) else None
-        top_p = torch.tensor([p.top_p for p in params], device=sub.device) if any(
+        dev = sub.device
+        sub = sub / to_device([p.temperature for p in params], torch.float32, dev)[:, None]
+        top_k = to_device([p.top_k for p in params], torch.long, dev) if any(p.top_k > 0 for p in params) else None
+        top_p = to_device([p.top_p for p in params], torch.float32, dev) if any(
             p.top_p < 1.0 for p in params) else None
-        min_p = torch.tensor([p.min_p for p in params], device=sub.device) if any(
+        min_p = to_device([p.min_p for p in params], torch.float32, dev) if any(
             p.min_p > 0 for p in params) else None
         sub = self.filter_fn(sub, top_k, top_p, min_p)
         probs = sub.softmax(-1)
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
             noise[j].exponential_(generator=self._generator_for(rows[i]))
-        tokens[random_rows] = sample_with_noise_ref(probs, noise)
+        tokens.index_copy_(0, index, sample_with_noise_ref(probs, noise))
         return tokens
 
     def _generator_for(self, row: SamplingRow) -> torch.Generator:
@@ -102,7 +124,7 @@ class Sampler:
         if seed is None:
             return self._unseeded
         gen = torch.Generator(device=self.device)
-        position = len(row.output_token_ids)
+        position = len(row.output_token_ids) + row.num_pending
         gen.manual_seed(hash((seed, row.sample_index, position)) & 0x7FFF_FFFF_FFFF_FFFF)
         return gen
 

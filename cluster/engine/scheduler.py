@@ -34,6 +34,11 @@ class ScheduledRequest:
         """The chunk reaches the end of the request's tokens, so a next token is sampled."""
         return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
+    @property
+    def samples_with_pending(self) -> bool:
+        """``samples``, counting tokens the step in flight is sampling (pipelined decode)."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens + self.request.num_pending
+
 
 @dataclass
 class SchedulerOutput:
@@ -123,7 +128,7 @@ class Scheduler:
             if request not in self.running:  # preempted earlier in this loop
                 continue
             c = request.num_computed_tokens
-            n = min(request.num_tokens - c, budget)
+            n = min(request.num_tokens + request.num_pending - c, budget)
             if n <= 0:
                 continue
             self.kv.free_skipped(request.request_id, c)
@@ -174,6 +179,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.num_pending = 0  # a token in flight is dropped: the recompute samples it again
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1

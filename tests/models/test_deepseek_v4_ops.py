@@ -162,17 +162,27 @@ def test_experts_of_one_layer_in_two_formats_are_refused(v4_dir, tmp_path, monke
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_native_experts_and_triton_kernels_match_the_references(v4_dir, tmp_path):
-    """On CUDA by default: MXFP4 experts stay packed and every V4 op runs its Triton kernel; bf16
-    logits (prefill in chunks, then decode rows) close to the torch references' on the same GPU."""
+    """On CUDA by default: MXFP4 experts stay packed and every V4 op runs its Triton kernel. Two
+    bf16 runs of a random model differ by more than rounding (the indexer's top-k and the router's
+    expert choice are discrete, so a last-bit difference can select another entry), so the Triton
+    path is held to the float32 torch reference no worse than torch's own bf16 path is."""
     path = _checkpoint(v4_dir, str(tmp_path / "mxfp4"), "mxfp4")
     ids = mixed_prompts(512, (45,))[0]
-    reference = LLM(path, block_size=16, dtype="bfloat16", attention_backend="torch", moe_backend="torch")
+
+    def logits(llm: LLM) -> torch.Tensor:
+        return torch.cat([engine_logits(llm, "r", ids[:40], 0, 13), engine_logits(llm, "r", ids, 40, 1)]).float()
+    truth = logits(LLM(path, block_size=16, dtype="float32", attention_backend="torch", moe_backend="torch"))
+    torch_bf16 = logits(LLM(path, block_size=16, dtype="bfloat16", attention_backend="torch", moe_backend="torch"))
     llm = LLM(path, block_size=16, dtype="bfloat16")
     table = {row["component"]: row["impl"] for row in llm.engine.backends()}
     assert all(impl == "triton" for impl in table.values()), table
     assert isinstance(llm.engine.model.layers[1].ffn.experts.w13, QuantizedWeight)
-    want = torch.cat([engine_logits(reference, "r", ids[:40], 0, 13), engine_logits(reference, "r", ids, 40, 1)])
-    got = torch.cat([engine_logits(llm, "r", ids[:40], 0, 13), engine_logits(llm, "r", ids, 40, 1)])
+    got = logits(llm)
     assert not got.isnan().any()
-    assert ((got - want).norm() / want.norm()).item() < 3e-2
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.9
+
+    def rel(x: torch.Tensor) -> float:
+        return ((x - truth).norm() / truth.norm()).item()
+    print(f"relative error to float32: triton bf16 {rel(got):.4f}, torch bf16 {rel(torch_bf16):.4f}")
+    assert rel(got) < max(1.5 * rel(torch_bf16), 1e-2)
+    agree = (got.argmax(-1) == truth.argmax(-1)).float().mean().item()
+    assert agree >= (torch_bf16.argmax(-1) == truth.argmax(-1)).float().mean().item() - 0.05 and agree > 0.85

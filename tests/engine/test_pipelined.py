@@ -1,0 +1,109 @@
+"""Pipelined decode (``async_scheduling``): step N+1 launched before step N's tokens are read.
+On a GPU it runs on the CUDA graphs (tests/engine/test_cuda_graphs.py); here the same engine
+logic runs eagerly on the CPU (the pipeline switched on by hand), and must give exactly the
+tokens, texts and finish reasons of synchronous steps, through stops, aborts, n samples, seeds,
+min_tokens, a KV pool small enough to preempt, and requests that need synchronous steps."""
+from __future__ import annotations
+
+import pytest
+
+from cluster import LLM, SamplingParams
+from tests.factories import make_checkpoint, mixed_prompts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama"))
+    make_checkpoint(path, "llama", seed=5)
+    return path
+
+
+def pair(model_dir, **kwargs):
+    sync = LLM(model_dir, block_size=4, max_num_batched_tokens=64, **kwargs)
+    piped = LLM(model_dir, block_size=4, max_num_batched_tokens=64, **kwargs)
+    assert not sync.engine._pipelined  # CPU: off by default (no graphs, nothing to overlap)
+    piped.engine._pipelined = True
+    return sync, piped
+
+
+def summary(outputs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
+
+
+def test_same_outputs_as_synchronous_steps(model_dir):
+    sync, piped = pair(model_dir)
+    prompts = mixed_prompts(300, (3, 9, 17, 33, 50, 12), seed=3)
+    base = sync.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    stop_ids = [base[0].outputs[0].token_ids[6], base[2].outputs[0].token_ids[3]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),  # finishes early, by length
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=stop_ids),  # by a stop token
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, n=3),  # seeded samples
+        SamplingParams(temperature=1.0, top_k=20, min_tokens=8, max_tokens=12, seed=1, stop_token_ids=stop_ids),
+        SamplingParams(temperature=0.0, max_tokens=1),
+    ]
+    want = summary(sync.generate(prompts, params))
+    got = summary(piped.generate(prompts, params))
+    assert got == want
+    assert piped.engine.num_pipelined_steps > 10 and sync.engine.num_pipelined_steps == 0
+    assert piped.engine._in_flight is None or not piped.engine.groups
+    # every block back in the pool once the last step is read
+    piped.engine.step()
+    assert piped.engine.kv.usage == 0.0
+
+
+def test_stop_strings_and_max_model_len(model_dir):
+    sync, piped = pair(model_dir, max_model_len=40)
+    base = sync.generate("hello world", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    text = base[0].outputs[0].text
+    params = [SamplingParams(temperature=0.0, max_tokens=30, stop=[text[4:7]]),
+              SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)]  # runs into max_model_len
+    prompts = ["hello world", list(range(5, 30))]
+    assert summary(piped.generate(prompts, params)) == summary(sync.generate(prompts, params))
+
+
+def test_requests_that_need_host_data_run_synchronously(model_dir):
+    sync, piped = pair(model_dir)
+    prompts = mixed_prompts(300, (7, 19), seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)]
+    got = piped.generate(prompts, params)
+    assert summary(got) == summary(sync.generate(prompts, params))
+    assert piped.engine.num_pipelined_steps == 0
+    assert got[1].outputs[0].logprobs is not None and len(got[1].outputs[0].logprobs) == 10
+
+
+def test_abort_while_a_step_is_in_flight(model_dir):
+    sync, piped = pair(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = mixed_prompts(300, (5, 11, 23), seed=2)
+    want = summary(sync.generate(prompts, params))
+    engine = piped.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    finished = {}
+    steps = 0
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        if steps == 6:
+            assert engine._in_flight is not None
+            engine.abort_request("r1")
+    assert finished["r1"].outputs[0].finish_reason == "abort"
+    assert summary([finished["r0"], finished["r2"]]) == [want[0], want[2]]
+    assert engine.kv.usage == 0.0 and engine._in_flight is None
+
+
+def test_preemption_and_new_arrivals_drain_the_pipeline(model_dir):
+    # A pool of 24 blocks of 4 tokens cannot hold four 40-token requests: preemption by
+    # recompute, with new requests arriving while others decode.
+    sync, piped = pair(model_dir, num_kv_blocks=24)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = mixed_prompts(300, (16, 12, 9, 14), seed=6)
+    want = summary(sync.generate(prompts, params))
+    assert sync.engine.scheduler.num_preemptions > 0
+    assert summary(piped.generate(prompts, params)) == want
+    assert piped.engine.num_pipelined_steps > 0 and piped.engine.scheduler.num_preemptions > 0
