@@ -149,7 +149,8 @@ def main() -> None:
     base = {"model": args.model_dir, "kv_cache_memory_bytes": args.kv_bytes, "max_num_seqs": 128,
             "max_num_batched_tokens": 8192, "max_model_len": 8192}
     result: dict[str, Any] = {"benchmark": "serve-one-gpu", "model": f"Qwen3-8B width, {args.layers} layers, random bf16",
-                              "workload": vars(args), "environment": environment(), "modes": {}, "errors": {}}
+                              "workload": {k: os.path.basename(v) if k in ("out", "model_dir") else v
+                                           for k, v in vars(args).items()}, "environment": environment(), "modes": {}, "errors": {}}
     modes = {"disagg": {**base, "prefill_replicas": 1, "decode_replicas": 1, "num_gpus": 0.5, "kv_transfer": "ipc"},
              "colocated": {**base, "prefill_replicas": 0, "decode_replicas": 1, "num_gpus": 1}}
     if args.tiny:

@@ -95,22 +95,13 @@ class IPCBackend(KVTransferBackend):
         return self.block_bytes(copies)
 
     def _copy(self, remote: list[torch.Tensor], copies: list[BlockCopy]) -> None:
-        if not self.kv_caches[0].is_cuda:
-            for c in copies:
-                src, dst = self.kv_caches[c.group], remote[c.group]
+        for c in copies:
+            src, dst = self.kv_caches[c.group], remote[c.group]
+            if src.is_cuda:  # one pass over the bytes, straight into the peer's mapped memory
+                from kernels.triton_block_copy import copy_blocks_triton
+                copy_blocks_triton(src, dst, index_tensor(c.src, src.device), index_tensor(c.dst, src.device))
+            else:
                 copy_blocks_ref(src, dst, index_tensor(c.src, src.device), index_tensor(c.dst, dst.device))
-            return
-        from kernels.triton_block_copy import copy_blocks_triton
-        # Every copy's source and destination ids in one pinned buffer and one asynchronous
-        # upload (a copy from pageable memory would wait for the GPU first).
-        ids = torch.tensor([i for c in copies for i in (*c.src, *c.dst)], dtype=torch.int64).pin_memory()
-        ids = ids.to(self.kv_caches[0].device, non_blocking=True)
-        offset = 0
-        for c in copies:  # one pass over the bytes, straight into the peer's mapped memory
-            n = c.num_blocks
-            copy_blocks_triton(self.kv_caches[c.group], remote[c.group], ids[offset:offset + n],
-                               ids[offset + n:offset + 2 * n])
-            offset += 2 * n
 
     def _drop_peer(self, dest: TransferEndpoint) -> None:
         self._close_peer(self._peers.drop(dest.engine_id))
