@@ -58,9 +58,12 @@ class DecodeWorker:
             if req.local_prefill or self.prefill_fn is None:
                 await self.engine.run(lambda e: e.add_group(group))
             else:
-                if not await self.engine.run(lambda e: e.reserve_remote(group)):
+                # One engine command: a step between reserving and reading the tables could end
+                # the request (its deadline) and take its blocks away.
+                tables = await self.engine.run(
+                    lambda e: [list(t) for t in e.kv.block_tables(rid)] if e.reserve_remote(group) else None)
+                if tables is None:
                     raise OverloadedError("decode worker has no free KV blocks or sequence slots")
-                tables = await self.engine.run(lambda e: [list(t) for t in e.kv.block_tables(rid)])
                 prefill = PrefillRequest(req, self.backend.endpoint(), tables, f"{self.engine_id}/{rid}")
                 prefill_task = asyncio.create_task(self._remote_prefill(prefill, timings))
             async for out in self._read(rid, queue, timings):

@@ -107,3 +107,49 @@ def test_preemption_and_new_arrivals_drain_the_pipeline(model_dir):
     assert sync.engine.scheduler.num_preemptions > 0
     assert summary(piped.generate(prompts, params)) == want
     assert piped.engine.num_pipelined_steps > 0 and piped.engine.scheduler.num_preemptions > 0
+
+
+def test_async_engine_streams_and_cancels_with_a_step_in_flight(model_dir):
+    """The serving loop (AsyncEngine) over a pipelined engine: concurrent streams get the
+    synchronous outputs token for token, a stream closed early aborts its request, and the
+    pool is empty at the end."""
+    import asyncio
+
+    from cluster.engine.async_engine import AsyncEngine
+
+    sync, piped = pair(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)
+    prompts = mixed_prompts(300, (4, 15, 26, 8), seed=12)
+    want = summary(sync.generate(prompts, params))
+    loop_engine = AsyncEngine(piped.engine)
+
+    async def stream(i: int, stop_after: int | None):
+        group = piped.engine.make_group(f"s{i}", prompts[i], params)
+        seen = []
+        async for out in loop_engine.generate(group):
+            seen.append(len(out.outputs[0].token_ids))
+            last = out
+            if stop_after is not None and len(seen) == stop_after:
+                break  # the client goes away: the request is aborted
+        return last, seen
+
+    async def main():
+        return await asyncio.gather(*(stream(i, 3 if i == 1 else None) for i in range(len(prompts))))
+
+    try:
+        results = asyncio.run(main())
+        for i, (last, seen) in enumerate(results):
+            if i == 1:
+                assert not last.finished and len(seen) == 3
+                continue
+            assert summary([last]) == [want[i]]
+            assert seen == sorted(seen) and seen[-1] == 18  # tokens only ever accumulate
+        for _ in range(200):  # the abort and the last in-flight step are processed by the loop
+            if piped.engine.kv.usage == 0.0 and piped.engine._in_flight is None:
+                break
+            import time
+            time.sleep(0.01)
+        assert piped.engine.kv.usage == 0.0 and not piped.engine.groups
+        assert piped.engine.num_pipelined_steps > 5
+    finally:
+        loop_engine.shutdown()

@@ -96,8 +96,8 @@ def _moe_cases(triton_moe: Any) -> Iterator[tuple[str, Any, tuple[Any, ...], dic
         else:
             s13, s2 = _t(experts, 2 * inter, hidden // group, dtype=torch.uint8), _t(experts, hidden, inter // group, dtype=torch.uint8)
         for block_m in (16, 64):
-            common = dict(FMT=code, SCALE_UE8M0=False, UPCAST=False, FAST=code != 0, BLOCK_M=block_m,
-                          EVEN_K=True)
+            common = dict(FMT=code, SCALE_UE8M0=False, UPCAST=False, FAST=code != 0, F32_DOT=False,
+                          BLOCK_M=block_m, EVEN_K=True)
             archs = ARCHS
             if block_m == 16 and code:
                 archs = ARCHS + [(8, 9)] + ([(8, 0)] if fmt == "mxfp4" else [])
@@ -109,6 +109,15 @@ def _moe_cases(triton_moe: Any) -> Iterator[tuple[str, Any, tuple[Any, ...], dic
             yield (f"moe_w2_{fmt}_m{block_m}", triton_moe._w2_kernel,
                    (act, w2, s2, g, partial, ids, ids, ids, route, hidden, inter, 384, inter, w2.stride(0),
                     w2.stride(1), s2.stride(0), s2.stride(1), 1, hidden, 16), common)
+            if block_m == 16 and code >= 2:  # float32 / float16 activations: portable decode, float32 dot
+                f32 = dict(common, FAST=False, F32_DOT=True, archs=ARCHS)
+                yield (f"moe_w13_{fmt}_m{block_m}_f32", triton_moe._w13_swiglu_kernel,
+                       (x, w13, s13, g, act, ids, ids, ids, inter, hidden, 384, 6, hidden, w13.stride(0),
+                        w13.stride(1), s13.stride(0), s13.stride(1), 1, inter, 7.0, 16),
+                       dict(f32, HAS_CLAMP=True, PAIRED_OUT=True))
+                yield (f"moe_w2_{fmt}_m{block_m}_f32", triton_moe._w2_kernel,
+                       (act, w2, s2, g, partial, ids, ids, ids, route, hidden, inter, 384, inter, w2.stride(0),
+                        w2.stride(1), s2.stride(0), s2.stride(1), 1, hidden, 16), f32)
     yield ("moe_sum_top_k", triton_moe._sum_top_k_kernel, (partial, x, hidden),
            dict(TOP_K=6, BLOCK=1024, num_warps=4))
 
