@@ -2,6 +2,7 @@
 # One call on the GPU machine: unpack the dependency bundle (Ray, NIXL, FastAPI; see the device
 # tool's device-bundle), then run the named parts, each bounded, logging under $OUT.
 #   bash bench/gpu_session.sh tests kernels engine
+#   bash bench/gpu_session.sh transfer2 serve2      # issue 6, on nvidia-h200-x2 (serve8 on x8)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
@@ -22,6 +23,9 @@ for part in "$@"; do
     engine-hf) timeout 560 python3 bench/engine_gpu.py --out "$OUT/engine-h200-$date.json" 2>&1 | tail -30 ;;
     transfer) timeout 150 python3 bench/transfer.py --out "$OUT/transfer-h200-$date.json" 2>&1 | tail -30 ;;
     serve) timeout 330 python3 bench/serve_gpu.py --out "$OUT/serve-h200-$date.json" 2>&1 | tail -20 ;;
+    transfer2) timeout 200 python3 bench/transfer.py --devices 0,1 --out "$OUT/transfer-h200x2-$date.json" 2>&1 | tail -30 ;;
+    serve2) timeout 500 python3 bench/serve_gpu.py --gpus 2 --kv-transfer ipc --out "$OUT/serve-h200x2-$date.json" 2>&1 | tail -20 ;;
+    serve8) timeout 560 python3 bench/serve_gpu.py --gpus 8 --kv-transfer ipc --out "$OUT/serve-h200x8-$date.json" 2>&1 | tail -20 ;;
     v4) timeout 240 python3 bench/deepseek_v4_layers.py --out "$OUT/deepseek-v4-layers-h200-$date.json" 2>&1 | tail -30 ;;
     *) echo "unknown part $part" ;;
   esac

@@ -5,12 +5,15 @@ prompts and long outputs at a fixed arrival rate.
 
   disagg     1 prefill + 1 decode replica sharing the GPU (num_gpus=0.5 each), KV over ipc
   colocated  1 decode replica prefilling everything (prefill_replicas=0), the whole GPU
+With --gpus N (N >= 2, issue 6): N/2 prefill + N/2 decode replicas, one GPU each, KV over
+--kv-transfer, against N colocated replicas on the same GPUs.
 Reports TTFT / ITL / e2e percentiles, throughput and goodput under TTFT and ITL targets, the KV
 bytes moved and the per-request TTFT breakdown from /metrics, and the transfer's share of TTFT.
 Both roles on one GPU compete for it, so this measures the mechanism and its overheads, not the
 interference that separate GPUs remove (that is the multi-GPU run).
 
     python bench/serve_gpu.py --out bench/results/serve-h200-<date>.json
+    python bench/serve_gpu.py --gpus 2 --kv-transfer nixl --out bench/results/serve-h200x2-<date>.json
 """
 from __future__ import annotations
 
@@ -134,6 +137,10 @@ def main() -> None:
     parser.add_argument("--itl-target-s", type=float, default=0.05)
     parser.add_argument("--kv-bytes", type=int, default=24 << 30, help="KV memory per replica")
     parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="GPUs to use: 1 = both roles share it; N >= 2 = N/2 prefill + N/2 decode replicas on "
+                             "their own GPUs against N colocated replicas (issue 6)")
+    parser.add_argument("--kv-transfer", default="ipc", help="disaggregated mode's transport (ipc, nixl, nccl)")
     parser.add_argument("--tiny", action="store_true", help="toy width on CPU: checks the script, measures nothing")
     args = parser.parse_args()
     if args.tiny:
@@ -151,12 +158,22 @@ def main() -> None:
     result: dict[str, Any] = {"benchmark": "serve-one-gpu", "model": f"Qwen3-8B width, {args.layers} layers, random bf16",
                               "workload": {k: os.path.basename(v) if k in ("out", "model_dir") else v
                                            for k, v in vars(args).items()}, "environment": environment(), "modes": {}, "errors": {}}
-    modes = {"disagg": {**base, "prefill_replicas": 1, "decode_replicas": 1, "num_gpus": 0.5, "kv_transfer": "ipc"},
-             "colocated": {**base, "prefill_replicas": 0, "decode_replicas": 1, "num_gpus": 1}}
+    if args.gpus >= 2:
+        half = args.gpus // 2
+        modes = {"disagg": {**base, "prefill_replicas": half, "decode_replicas": args.gpus - half, "num_gpus": 1,
+                            "kv_transfer": args.kv_transfer},
+                 "colocated": {**base, "prefill_replicas": 0, "decode_replicas": args.gpus, "num_gpus": 1}}
+    else:
+        modes = {"disagg": {**base, "prefill_replicas": 1, "decode_replicas": 1, "num_gpus": 0.5,
+                            "kv_transfer": args.kv_transfer},
+                 "colocated": {**base, "prefill_replicas": 0, "decode_replicas": 1, "num_gpus": 1}}
     if args.tiny:
         base.update(device="cpu", max_num_batched_tokens=256, max_model_len=512)
         modes = {"disagg": {**base, "prefill_replicas": 1, "decode_replicas": 1, "kv_transfer": "ipc"},
                  "colocated": {**base, "prefill_replicas": 0, "decode_replicas": 1}}
+        if args.gpus >= 2:  # the same replica counts as the GPU run, on CPU processes
+            modes["disagg"].update(prefill_replicas=args.gpus // 2, decode_replicas=args.gpus - args.gpus // 2)
+            modes["colocated"].update(decode_replicas=args.gpus)
     for name, settings in modes.items():
         try:
             result["modes"][name] = run_mode(name, settings, args, args.port)
