@@ -104,13 +104,15 @@ async def _respond(route: str, metrics: ServerMetrics, call: Callable[[], Awaita
 
 
 def build_openai_app(client: EngineClient, *, max_body_bytes: int, served_model_name: str | None = None,
-                     request_timeout_s: float | None = None, block_size: int = 16) -> FastAPI:
+                     request_timeout_s: float | None = None, block_size: int = 16,
+                     model_aliases: tuple[str, ...] = ()) -> FastAPI:
     """The OpenAI HTTP app serving ``client``. ``request_timeout_s`` caps every request's
     deadline (a request's own ``timeout`` may only shorten it); ``block_size`` is the KV block
-    size of the prompt block hashes sent for prefix-cache routing."""
+    size of the prompt block hashes sent for prefix-cache routing; ``model_aliases``: other
+    names requests may give for the model (answers carry the served name)."""
     metrics = ServerMetrics()
     serving = OpenAIServing(client, metrics, model_name=served_model_name or client.model_name,
-                            block_size=block_size, request_timeout_s=request_timeout_s)
+                            block_size=block_size, request_timeout_s=request_timeout_s, aliases=model_aliases)
     app = FastAPI(title="pd-cluster OpenAI API", docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.metrics = metrics

@@ -66,17 +66,19 @@ def _sse(payload: str) -> str:
 
 class OpenAIServing:
     def __init__(self, client: EngineClient, metrics: ServerMetrics, *, model_name: str,
-                 block_size: int = 16, request_timeout_s: float | None = None) -> None:
+                 block_size: int = 16, request_timeout_s: float | None = None,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.client = client
         self.metrics = metrics
         self.model_name = model_name
+        self.accepted_names = {model_name, *aliases}
         self.block_size = block_size
         self.request_timeout_s = request_timeout_s
         self.texts = TokenTexts(client.tokenizer)
         self.texts_as_ids = TokenTexts(client.tokenizer, as_ids=True)
 
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
+        if model not in self.accepted_names:
             raise InvalidRequestError(f"The model `{model}` does not exist; this server serves "
                                       f"`{self.model_name}`.", param="model", code="model_not_found")
 

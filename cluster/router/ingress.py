@@ -48,7 +48,8 @@ class Ingress:
         return build_openai_app(self, max_body_bytes=self.config.max_body_bytes,
                                 served_model_name=self.model_name,
                                 request_timeout_s=self.config.request_timeout_s,
-                                block_size=self.config.cache.block_size)
+                                block_size=self.config.cache.block_size,
+                                model_aliases=() if self.config.served_model_name else (self.config.model.model,))
 
     # --- EngineClient ----------------------------------------------------------------------------
 

@@ -22,6 +22,8 @@ except ImportError:  # openai >= 3 ships its HTTP client as httpx2
     import httpx2 as httpx  # type: ignore[no-redef]
 
 SERVED_NAME = "test-model"
+#: What the server's ``model`` setting said (e.g. ``smollm2`` or a path): accepted as well.
+MODEL_ALIAS = "models/fake-model"
 MAX_BODY_BYTES = 64 * 1024
 
 
@@ -69,7 +71,8 @@ def fake_session(tokenizer: Tokenizer) -> FakeEngineClient:
 
 @pytest.fixture(scope="session")
 def server(fake_session: FakeEngineClient) -> Iterator[ServerThread]:
-    app = build_openai_app(fake_session, max_body_bytes=MAX_BODY_BYTES, served_model_name=SERVED_NAME)
+    app = build_openai_app(fake_session, max_body_bytes=MAX_BODY_BYTES, served_model_name=SERVED_NAME,
+                           model_aliases=(MODEL_ALIAS,))
     with ServerThread(app) as running:
         yield running
 

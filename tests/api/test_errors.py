@@ -10,7 +10,7 @@ import pytest
 
 from cluster.api import sample_streams
 from cluster.common.errors import EngineDeadError, InvalidRequestError, OverloadedError, RateLimitedError
-from tests.api.conftest import MAX_BODY_BYTES, SERVED_NAME
+from tests.api.conftest import MAX_BODY_BYTES, MODEL_ALIAS, SERVED_NAME
 from tests.api.fakes import Script
 
 CHAT = [{"role": "user", "content": "hello"}]
@@ -228,3 +228,11 @@ def test_typed_error_outputs_map_to_their_class(fake, http):
 def test_unknown_routes_and_methods_use_the_error_body(fake, http):
     assert_error(http.get("/v1/nothing"), 404, "not_found_error")
     assert_error(http.get("/v1/completions"), 405, "invalid_request_error")
+
+
+def test_the_model_setting_is_accepted_as_an_alias(fake, http):
+    """Clients may name the model as the server's ``model`` setting gave it (``smollm2``, a
+    path); answers carry the served name."""
+    resp = http.post("/v1/completions", json=completion(model=MODEL_ALIAS))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["model"] == SERVED_NAME
