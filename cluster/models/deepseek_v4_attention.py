@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from cluster.models.context import ForwardContext
-from cluster.models.deepseek_v4_compressor import ChunkCompressor, CompressorWeights
+from cluster.models.deepseek_v4_compressor import ChunkCompressor, CompressorWeights, DecodeEntries, decode_step
 from cluster.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Args
 from cluster.models.deepseek_v4_kv import LayerKV
 from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, rope_tail, unweighted_rms_norm
@@ -129,6 +129,16 @@ class DeepseekV4Attention(nn.Module):
             di = self.indexer.head_dim
             series_a = (torch.cat([gate[:, :d], igate[:, :di]], -1), torch.cat([kv[:, :d], ikv[:, :di]], -1))
             series_b = (torch.cat([gate[:, d:], igate[:, di:]], -1), torch.cat([kv[:, d:], ikv[:, di:]], -1))
+        if h.shape[0] == len(ctx.seq_lens_cpu):  # a decode step: one token per sequence, batched
+            step = decode_step(series_b, series_a, ctx, self.ratio, *self.kv.state)
+            cos, sin = rope.cos_sin("compress", step.index * self.ratio)
+            entries = self.compressor.norm(step.pooled[:, :d].to(h.dtype))
+            self._store_done(ctx, self.kv.compressed, step,
+                             rope_tail(entries.unsqueeze(1), cos, sin, self.rotary)[:, 0])
+            if self.indexer is not None and self.kv.index is not None:
+                keys = self.indexer.compressor.norm(step.pooled[:, d:].to(h.dtype))
+                self._store_done(ctx, self.kv.index, step, rope_tail(keys.unsqueeze(1), cos, sin, self.rotary)[:, 0])
+            return
         runner = ChunkCompressor(self.ratio, *self.kv.state)
         for seq, first, pooled in runner.run(series_b, series_a, ctx):
             positions = (torch.arange(pooled.shape[0], device=h.device) + first) * self.ratio
@@ -139,6 +149,21 @@ class DeepseekV4Attention(nn.Module):
             if self.indexer is not None and self.kv.index is not None:
                 keys = self.indexer.compressor.norm(pooled[:, d:].to(h.dtype))
                 self._store(ctx, self.kv.index, seq, first, rope_tail(keys.unsqueeze(1), cos, sin, self.rotary)[:, 0])
+
+    @staticmethod
+    def _store_done(ctx: ForwardContext, where: tuple[int, int], step: DecodeEntries, entries: torch.Tensor) -> None:
+        """Store row i's entry at its window's index where ``step.done[i]``; other rows write back
+        what their slot holds (no host synchronisation to pick the rows)."""
+        group, layer = where
+        cache = ctx.kv_caches[group][:, layer]  # [num_blocks, entries_per_block, width]
+        per_block = cache.shape[1]
+        table = ctx.block_tables[group].long()
+        # An entry in progress may lie past the blocks allocated so far (only complete entries
+        # need one): clamp, and such a row writes back what the clamped slot holds.
+        column = (step.index // per_block).clamp(max=table.shape[1] - 1)
+        blocks = table.gather(1, column[:, None])[:, 0]
+        slots = step.index % per_block
+        cache[blocks, slots] = torch.where(step.done[:, None], entries.to(cache.dtype), cache[blocks, slots])
 
     @staticmethod
     def _store(ctx: ForwardContext, where: tuple[int, int], seq: int, first: int, entries: torch.Tensor) -> None:

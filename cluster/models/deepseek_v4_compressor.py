@@ -11,6 +11,11 @@ layer's lightning indexer pools the same windows at its own width, so its channe
 A chunk starts at any position: the pools are carried as ``(lse, mean)`` pairs (see
 ``kernels.deepseek_v4_ref``) read from the checkpoint before the chunk's first token, and the
 checkpoint after every token block the chunk completes (and after its last token) is written back.
+
+A decode step (one new token per sequence) takes :func:`decode_step` instead: the whole batch at
+once, with device tensors only (no loop over sequences, no host synchronisation): each carried
+pool merges its one token, the checkpoint after it is written, and every sequence reports the
+entry its window would complete with a ``done`` flag (the caller stores only those).
 """
 from __future__ import annotations
 
@@ -154,3 +159,42 @@ class ChunkCompressor:
             if chunk.entries.shape[0]:
                 out.append((i, chunk.first_window, chunk.entries))
         return out
+
+
+@dataclass
+class DecodeEntries:
+    """One decode step's pooled entries, one row per sequence: ``pooled [B, C]`` is the entry of
+    window ``index [B]``, complete where ``done [B]`` (elsewhere a partial pool, not to store)."""
+
+    pooled: torch.Tensor
+    index: torch.Tensor
+    done: torch.Tensor
+
+
+def decode_step(series_b: tuple[torch.Tensor, torch.Tensor], series_a: tuple[torch.Tensor, torch.Tensor] | None,
+                ctx: ForwardContext, ratio: int, state_group: int, state_layer: int) -> DecodeEntries:
+    """Pool one token per sequence (``series_*`` are (gate, value) ``[B, C]``, row i sequence i):
+    the same pools as :class:`ChunkCompressor` on chunks of one token."""
+    states = ctx.kv_caches[state_group][:, state_layer]  # [num_blocks, *state]
+    table = ctx.block_tables[state_group].long()  # [B, max_blocks]
+    block_size = ctx.block_sizes[state_group]
+    pos = ctx.positions.long()
+    before = table.gather(1, ((pos - 1).clamp(min=0) // block_size)[:, None])[:, 0]
+    carry = states[before].float()  # [B, *state]
+    fresh = (pos == 0).view(-1, *([1] * (carry.dim() - 1)))
+    carry = torch.where(fresh, empty_state(tuple(carry.shape), carry.device), carry)
+    carry_b = carry if series_a is None else carry[:, 0]  # [B, 2, C]
+    lse_b, mean_b = merge_pools_ref(carry_b[:, 0], carry_b[:, 1], series_b[0].float(), series_b[1].float())
+    done = pos % ratio == ratio - 1  # the token completes its window's entry
+    empty = torch.stack([torch.full_like(lse_b, EMPTY_LSE), torch.zeros_like(mean_b)], dim=1)  # [B, 2, C]
+    b = torch.stack([lse_b, mean_b], dim=1)
+    if series_a is None:
+        state = torch.where(done[:, None, None], empty, b)
+    else:
+        lse_a, mean_a = merge_pools_ref(carry[:, 1, 0], carry[:, 1, 1], series_a[0].float(), series_a[1].float())
+        a = torch.stack([lse_a, mean_a], dim=1)
+        # In progress: [entry so far, overlap part so far]; completed: [overlap part -> next entry, empty].
+        state = torch.where(done[:, None, None, None], torch.stack([a, empty], dim=1), torch.stack([b, a], dim=1))
+    after = table.gather(1, (pos // block_size)[:, None])[:, 0]
+    states[after] = state.to(states.dtype)
+    return DecodeEntries(mean_b, pos // ratio, done)
