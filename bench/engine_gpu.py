@@ -84,16 +84,21 @@ def make_engine(loaded: LoadedModel, device: torch.device, max_num_seqs: int, ea
                      SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384), loaded=loaded)
 
 
+def add_random_requests(engine: LLMEngine, count: int, prompt_len: int, new_tokens: int, tag: str, seed: int) -> None:
+    """``count`` greedy requests of random prompts, each generating exactly ``new_tokens``."""
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(count):
+        ids = torch.randint(100, engine.vocab_size - 100, (prompt_len,), generator=gen).tolist()
+        engine.add_request(f"{tag}-{i}", ids, params)
+
+
 def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, tag: str) -> dict[str, float]:
     """Decode step time: the median interval between consecutive ``step()`` returns while every
     request decodes (prefill steps and the last steps excluded). No synchronisation is added
     between steps, so a pipelined engine (``async_scheduling``) overlaps as it does in serving;
     each ``step()`` still waits for the tokens it returns, so an interval is one step's work."""
-    gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for i in range(batch):
-        ids = torch.randint(100, engine.vocab_size - 100, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"{tag}-{i}", ids, params)
+    add_random_requests(engine, batch, prompt_len, new_tokens, tag, seed=batch)
     torch.cuda.synchronize()
     wall0 = time.perf_counter()
     returns, decoding = [], []
@@ -110,11 +115,7 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int
 
 
 def throughput(engine: LLMEngine, requests: int, prompt_len: int, new_tokens: int) -> dict[str, float]:
-    gen = torch.Generator().manual_seed(7)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    for i in range(requests):
-        ids = torch.randint(100, engine.vocab_size - 100, (prompt_len,), generator=gen).tolist()
-        engine.add_request(f"tp-{i}", ids, params)
+    add_random_requests(engine, requests, prompt_len, new_tokens, "tp", seed=7)
     torch.cuda.synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.engine.scheduler import ScheduledRequest
@@ -62,3 +63,10 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, 
             slots.append(None)
     sample_rows = [(int(query_start[i + 1]) - 1, s) for i, s in enumerate(scheduled) if s.samples]
     return HostBatch(ids, positions, query_start, (starts + counts).astype(np.int32), tables, slots, sample_rows)
+
+
+def take_pending_tokens(input_ids: torch.Tensor, rows: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """``input_ids`` with entry ``i`` replaced by ``previous[rows[i]]`` where ``rows[i] >= 0``: the
+    tokens a pipelined step takes from the samples of the step still in flight, on the device."""
+    picked = previous.index_select(0, rows.clamp(min=0, max=previous.numel() - 1))
+    return torch.where(rows >= 0, picked, input_ids)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from cluster.common.kv_spec import KVGroupSpec
-from cluster.engine.batch import HostBatch
+from cluster.engine.batch import HostBatch, take_pending_tokens
 from cluster.models.context import ForwardContext
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,6 @@ class DecodeGraphs:
             offset += table.size
         if token_source is not None:
             rows = staged[(len(columns) - 1) * size:len(columns) * size]
-            previous = token_source[1]
-            picked = previous.index_select(0, rows.clamp(min=0, max=previous.numel() - 1))
-            self.input_ids[:size].copy_(torch.where(rows >= 0, picked, self.input_ids[:size]))
+            self.input_ids[:size].copy_(take_pending_tokens(self.input_ids[:size], rows, token_source[1]))
         self.graphs[size].replay()
         return self.outputs[size][:n]

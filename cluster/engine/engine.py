@@ -34,6 +34,7 @@ from cluster.models.registry import LoadedModel, load_model
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_MAX_MODEL_LEN = 8192
 
 
 @dataclass
@@ -45,7 +46,6 @@ class InFlightStep:
     host: torch.Tensor  # [B] int64 pinned, filled by an asynchronous copy
     done: torch.cuda.Event | None  # None on CPU (nothing runs asynchronously)
     rows: dict[str, int]  # request id -> row in tokens
-CPU_MAX_MODEL_LEN = 8192
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -242,10 +242,9 @@ class LLMEngine:
         else:
             self._complete_in_flight()
             sched = self.scheduler.schedule()
-        self.last_step = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+        tables = self._begin(sched)
         if not sched.is_empty:
             self.num_sync_steps += 1
-            tables = {s.request.request_id: self.kv.block_tables(s.request.request_id) for s in sched.scheduled}
             try:
                 result = self.runner.execute(sched, tables)
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the loop
@@ -254,6 +253,11 @@ class LLMEngine:
             else:
                 self._process(sched.scheduled, result)
         return self._collect()
+
+    def _begin(self, sched: SchedulerOutput) -> dict[str, list[list[int]]]:
+        """Record the step in ``last_step``; the block tables of its requests."""
+        self.last_step = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+        return {s.request.request_id: self.kv.block_tables(s.request.request_id) for s in sched.scheduled}
 
     def _fail(self, scheduled: list[ScheduledRequest], exc: Exception) -> None:
         for s in scheduled:
@@ -281,8 +285,7 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput) -> None:
         """Launch a pipelined step, then read the previous one (the GPU runs this one meanwhile)."""
         previous = self._in_flight
-        tables = {s.request.request_id: self.kv.block_tables(s.request.request_id) for s in sched.scheduled}
-        self.last_step = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+        tables = self._begin(sched)
         try:
             tokens = self.runner.launch(sched, tables, previous.rows if previous else {},
                                         previous.tokens if previous else None)
@@ -315,14 +318,12 @@ class LLMEngine:
         """Read a pipelined step's tokens (waiting for it) and process them as a step would."""
         if step.done is not None:
             step.done.synchronize()
-        block_size = self.cache_config.block_size
         for s, token in zip(step.scheduled, step.host.tolist()):
             request = s.request
             request.num_pending = max(0, request.num_pending - 1)
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted meanwhile: this token is dropped
-            request.append_output(token, None, block_size)
-            self._after_token(request)
+            self._take_token(request, token, None)
         if self._in_flight is not None:  # the running step's blocks include the new full ones
             for s in self._in_flight.scheduled:
                 request = s.request
@@ -344,7 +345,6 @@ class LLMEngine:
             self._changed[group.request_id] = group
 
     def _process(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
-        block_size = self.cache_config.block_size
         for s in scheduled:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
@@ -352,11 +352,11 @@ class LLMEngine:
             self.scheduler.mark_computed(s)
             token = result.sampled.get(request.request_id)
             if token is not None:
-                request.append_output(token, result.logprobs.get(request.request_id), block_size)
-                self._after_token(request)
+                self._take_token(request, token, result.logprobs.get(request.request_id))
 
-    def _after_token(self, request: Request) -> None:
-        """Stop checks and output bookkeeping for the token just appended to ``request``."""
+    def _take_token(self, request: Request, token: int, logprobs: PositionLogprobs | None) -> None:
+        """Append a sampled token to ``request``, then its stop checks and output bookkeeping."""
+        request.append_output(token, logprobs, self.cache_config.block_size)
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         group = self._sample_group[request.request_id]
@@ -389,8 +389,7 @@ class LLMEngine:
         request = self.scheduler.remote_kv_arrived(request_id)
         if request is None:
             return False
-        request.append_output(first_token, logprobs, self.cache_config.block_size)
-        self._after_token(request)
+        self._take_token(request, first_token, logprobs)
         group = self._changed.pop(self._sample_group[request_id].request_id, None)
         if group is not None:  # deliver the first token now, not after the next step
             self._pending.append(group.output())

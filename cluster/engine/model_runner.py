@@ -13,7 +13,7 @@ import torch
 
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
-from cluster.engine.batch import HostBatch, build_host_batch
+from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
 from cluster.engine.cuda_graphs import DecodeGraphs
 from cluster.engine.request import Request
 from cluster.engine.sampler import Sampler, SamplingRow, to_device
@@ -112,9 +112,7 @@ class ModelRunner:
         else:  # eager (CPU, or graphs off): same bookkeeping, nothing to overlap
             ctx, input_ids = self._context(batch)
             if source is not None:
-                rows_t = torch.from_numpy(source[0]).to(self.device)
-                picked = previous.index_select(0, rows_t.clamp(min=0))
-                input_ids = torch.where(rows_t >= 0, picked, input_ids)
+                input_ids = take_pending_tokens(input_ids, torch.from_numpy(source[0]).to(self.device), source[1])
             hidden = self.model(input_ids, ctx)
         logits = self.model.compute_logits(hidden)  # decode-only: row i is sequence i
         return self.sampler.sample_tokens(logits, [self._sampling_row(s.request) for s in sched.scheduled])

@@ -131,24 +131,32 @@ class DeepseekV4Attention(nn.Module):
             series_b = (torch.cat([gate[:, d:], igate[:, di:]], -1), torch.cat([kv[:, d:], ikv[:, di:]], -1))
         if h.shape[0] == len(ctx.seq_lens_cpu):  # a decode step: one token per sequence, batched
             step = decode_step(series_b, series_a, ctx, self.ratio, *self.kv.state)
-            cos, sin = rope.cos_sin("compress", step.index * self.ratio)
-            entries = self.compressor.norm(step.pooled[:, :d].to(h.dtype))
-            self._store_done(ctx, self.kv.compressed, step,
-                             rope_tail(entries.unsqueeze(1), cos, sin, self.rotary)[:, 0])
-            if self.indexer is not None and self.kv.index is not None:
-                keys = self.indexer.compressor.norm(step.pooled[:, d:].to(h.dtype))
-                self._store_done(ctx, self.kv.index, step, rope_tail(keys.unsqueeze(1), cos, sin, self.rotary)[:, 0])
+            entries, keys = self._finish_entries(step.pooled, step.index, rope, h.dtype)
+            self._store_done(ctx, self.kv.compressed, step, entries)
+            if keys is not None and self.kv.index is not None:
+                self._store_done(ctx, self.kv.index, step, keys)
             return
         runner = ChunkCompressor(self.ratio, *self.kv.state)
         for seq, first, pooled in runner.run(series_b, series_a, ctx):
-            positions = (torch.arange(pooled.shape[0], device=h.device) + first) * self.ratio
-            cos, sin = rope.cos_sin("compress", positions)
-            entries = self.compressor.norm(pooled[:, :d].to(h.dtype))
-            self._store(ctx, self.kv.compressed, seq, first,
-                        rope_tail(entries.unsqueeze(1), cos, sin, self.rotary)[:, 0])
-            if self.indexer is not None and self.kv.index is not None:
-                keys = self.indexer.compressor.norm(pooled[:, d:].to(h.dtype))
-                self._store(ctx, self.kv.index, seq, first, rope_tail(keys.unsqueeze(1), cos, sin, self.rotary)[:, 0])
+            index = torch.arange(pooled.shape[0], device=h.device) + first
+            entries, keys = self._finish_entries(pooled, index, rope, h.dtype)
+            self._store(ctx, self.kv.compressed, seq, first, entries)
+            if keys is not None and self.kv.index is not None:
+                self._store(ctx, self.kv.index, seq, first, keys)
+
+    def _finish_entries(self, pooled: torch.Tensor, index: torch.Tensor, rope: V4Rope, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pooled means ``[m, C]`` of entries ``index [m]`` -> the attention entries and (CSA) the
+        indexer keys to store: normalised and rotated at the entries' first positions."""
+        assert self.compressor is not None
+        d = self.head_dim
+        cos, sin = rope.cos_sin("compress", index * self.ratio)
+        entries = self.compressor.norm(pooled[:, :d].to(dtype))
+        entries = rope_tail(entries.unsqueeze(1), cos, sin, self.rotary)[:, 0]
+        if self.indexer is None:
+            return entries, None
+        keys = self.indexer.compressor.norm(pooled[:, d:].to(dtype))
+        return entries, rope_tail(keys.unsqueeze(1), cos, sin, self.rotary)[:, 0]
 
     @staticmethod
     def _store_done(ctx: ForwardContext, where: tuple[int, int], step: DecodeEntries, entries: torch.Tensor) -> None:
