@@ -77,6 +77,12 @@ def _cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
     yield ("moe_align", triton_moe_align._align_kernel,
            (ids, ids, ids, ids, ids, 384, 280, x, x, 4096, 4096),
            dict(NUM_EXPERTS=256, BLOCK_E=256, BLOCK_P=64, BLOCK_M=16, BLOCK_H=2048, num_warps=8))
+    from kernels import triton_linear
+    w, xl = _t(6144, 4096), _t(32, 8192)
+    for rows, swiglu in ((1, False), (32, True)):  # GEMV in registers; tl.dot with the SwiGLU prologue
+        yield (f"linear_m{rows}", triton_linear._autotuned,
+               (xl, w, w, xl, rows, 6144, 4096, 8192, 4096, 8192),
+               dict(HAS_BIAS=False, SWIGLU=swiglu, UPCAST=False, BLOCK_M=triton_linear.block_m(rows)))
     yield from _moe_cases(triton_moe)
 
 
