@@ -4,6 +4,7 @@ divided by the steps profiled, next to the step's wall time and its HBM roofline
 / the copy bandwidth measured in the same run).
 
     python3 bench/decode_profile.py --out bench/results/decode-profile-h200-<date>.json [--batches 1,32]
+        [--linear torch]   # dense projections through torch (cuBLAS) instead of the dispatched kernel
 """
 from __future__ import annotations
 
@@ -64,16 +65,25 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--linear", choices=["dispatch", "torch"], default="dispatch")
     args = parser.parse_args()
     device = torch.device("cuda")
     config = TINY if args.tiny else QWEN3_8B
     bw = copy_bandwidth(device, 0.25 if args.tiny else 2.0)
     loaded = random_model(config, device, "auto")
+    if args.linear == "torch":  # every module holding the ops gets the same ops with torch's linear
+        from dataclasses import replace
+
+        from kernels.linear import linear_ref
+        ops = replace(loaded.model.ops, linear=linear_ref)
+        for module in loaded.model.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
     wbytes = weight_bytes(loaded.model)
     engine = make_engine(loaded, device, 64, eager=False)
     kv_per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
     result: dict[str, Any] = {"benchmark": "decode-profile", "model": "Qwen3-8B-shaped, random bf16 weights",
-                              "environment": environment(), "copy_bandwidth_GBps": bw / 1e9,
+                              "environment": environment(), "copy_bandwidth_GBps": bw / 1e9, "linear": args.linear,
                               "weight_bytes": wbytes, "kernels_chosen": engine.backends(), "rows": []}
     for b in (int(x) for x in args.batches.split(",")):
         r = profile_batch(engine, b, 512, args.steps)

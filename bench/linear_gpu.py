@@ -1,10 +1,10 @@
 """Decode-shaped linear layers on a GPU: the Triton skinny kernel (``kernels.triton_linear``)
 against cuBLAS (``torch.nn.functional.linear``) and the HBM roofline, measured in the same run.
 
-Shapes: the four projections of a Qwen3-8B layer (qkv 6144x4096, o 4096x4096, gate/up
-24576x4096, down 4096x12288 where the Triton kernel also computes SwiGLU from the gate/up output
-and cuBLAS is timed with the separate SwiGLU kernel before it, as the unfused model runs), at
-M = 1..32 rows (decode batches).
+Shapes: the four projections of a Qwen3-8B layer (qkv 6144x4096, o 4096x4096, down 4096x12288,
+and gate/up 24576x4096 gated: the Triton kernel writes SwiGLU(gate, up) from its epilogue, cuBLAS
+is timed with the separate SwiGLU kernel after it, as the unfused model runs), at M = 1..32 rows
+(decode batches).
 
 Timing: each measurement is a CUDA graph of one call per weight copy over ``copies`` distinct
 weight copies (together larger than the 50 MB L2, so every call reads its weight from HBM),
@@ -37,8 +37,8 @@ from bench.common import environment, median  # noqa: E402
 from kernels.triton_activation import silu_and_mul_triton  # noqa: E402
 from kernels.triton_linear import skinny_linear  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (24576, 4096, False),
-          "down": (4096, 12288, True)}  # name: (N, K, swiglu)
+SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (24576, 4096, True),
+          "down": (4096, 12288, False)}  # name: (N, K, gated)
 ROWS = (1, 2, 4, 8, 16, 32)
 
 
@@ -46,7 +46,7 @@ def sweep_configs() -> list[dict[str, int]]:
     out = []
     for bn in (8, 16, 32, 64):
         for bk in (128, 256, 512):
-            for warps, stages in ((4, 3), (8, 3)):
+            for warps, stages in ((4, 3), (4, 4), (8, 3)):
                 if bn * bk > 256 * 32 * warps:  # more than 64 fp32 products per thread: spills
                     continue
                 out.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
@@ -115,7 +115,7 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     sweep_rows = {int(r) for r in args.sweep_rows.split(",")}
-    for name, (n, k, swiglu) in SHAPES.items():
+    for name, (n, k, gated) in SHAPES.items():
         wbytes = n * k * 2
         copies = max(2, -(-256 * 2**20 // wbytes))  # >= 256 MB of weights per graph: no L2 reuse
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) / k ** 0.5
@@ -124,31 +124,31 @@ def main() -> None:
             if time.time() - t0 > args.budget_s:
                 result["errors"][f"{name}-m{m}"] = "budget spent"
                 continue
-            x = torch.randn(m, 2 * k if swiglu else k, device=device, dtype=torch.bfloat16, generator=gen)
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
             moved = wbytes + x.numel() * 2 + m * n * 2
-            roof = moved / (bw / 2)  # copy bandwidth counts read + written; a GEMV only reads W
-            ref = F.linear(silu_and_mul_triton(x) if swiglu else x, ws[0])
-            row: dict[str, Any] = {"shape": name, "N": n, "K": k, "swiglu": swiglu, "M": m, "copies": copies,
+            roof = moved / bw  # HBM moves bw bytes/s (read + written), a GEMV's are nearly all reads
+            ref = silu_and_mul_triton(F.linear(x, ws[0])) if gated else F.linear(x, ws[0])
+            row: dict[str, Any] = {"shape": name, "N": n, "K": k, "gated": gated, "M": m, "copies": copies,
                                    "roofline_us": roof * 1e6}
             try:
-                if swiglu:
-                    cublas = graph_time(lambda i: F.linear(silu_and_mul_triton(x), ws[i]), copies)
+                if gated:
+                    cublas = graph_time(lambda i: silu_and_mul_triton(F.linear(x, ws[i])), copies)
                 else:
                     cublas = graph_time(lambda i: F.linear(x, ws[i]), copies)
                 row["cublas_us"] = cublas * 1e6
                 row["cublas_pct"] = 100 * roof / cublas
-                auto = graph_time(lambda i: skinny_linear(x, ws[i], swiglu=swiglu), copies)
+                auto = graph_time(lambda i: skinny_linear(x, ws[i], gated=gated), copies)
                 row["triton_auto_us"] = auto * 1e6
                 row["triton_auto_pct"] = 100 * roof / auto
-                row["triton_auto_err"] = rel_err(skinny_linear(x, ws[0], swiglu=swiglu), ref)
+                row["triton_auto_err"] = rel_err(skinny_linear(x, ws[0], gated=gated), ref)
                 best, best_cfg, sweep = float("inf"), None, []
                 for cfg in (sweep_configs() if m in sweep_rows else []):
                     if time.time() - t0 > args.budget_s:
                         break
                     try:
-                        out = skinny_linear(x, ws[0], swiglu=swiglu, config=cfg)
+                        out = skinny_linear(x, ws[0], gated=gated, config=cfg)
                         err = rel_err(out, ref)
-                        t = graph_time(lambda i, c=cfg: skinny_linear(x, ws[i], swiglu=swiglu, config=c),
+                        t = graph_time(lambda i, c=cfg: skinny_linear(x, ws[i], gated=gated, config=c),
                                        copies, replays=10)
                     except Exception as exc:  # noqa: BLE001 - a config that does not compile
                         sweep.append({**cfg, "error": repr(exc)[:200]})

@@ -35,7 +35,7 @@ import torch
 
 Capability = tuple[int, int] | None
 OPS = ("attention", "kv_cache_write", "qkv_prepare", "moe", "rms_norm", "rotary", "silu_and_mul", "sampling",
-       "v4_sparse_attention", "v4_indexer")
+       "v4_sparse_attention", "v4_indexer", "linear")
 #: Ops that ``attention_backend`` overrides (for both roles).
 ATTENTION_OPS = ("attention", "kv_cache_write", "qkv_prepare", "v4_sparse_attention", "v4_indexer")
 ROLES = ("main", "draft")
@@ -151,7 +151,8 @@ def _build_registry() -> dict[str, list[KernelImpl]]:
             "silu_and_mul": ("kernels.activation", "silu_and_mul_ref"),
             "sampling": ("kernels.sampling", "apply_top_k_top_p_min_p_ref"),
             "v4_sparse_attention": ("kernels.deepseek_v4_ref", "sparse_attention_ref"),
-            "v4_indexer": ("kernels.deepseek_v4_ref", "indexer_topk_ref")}
+            "v4_indexer": ("kernels.deepseek_v4_ref", "indexer_topk_ref"),
+            "linear": ("kernels.linear", "linear_ref")}
     tritons = {"attention": ("kernels.triton_attention", "paged_attention_triton"),
                "kv_cache_write": ("kernels.triton_attention", "write_kv_cache_triton"),
                "qkv_prepare": ("kernels.triton_qkv_prepare", "qkv_prepare_triton"),
@@ -161,7 +162,8 @@ def _build_registry() -> dict[str, list[KernelImpl]]:
                "silu_and_mul": ("kernels.triton_activation", "silu_and_mul_triton"),
                "sampling": ("kernels.triton_sampling", "apply_top_k_top_p_min_p_triton"),
                "v4_sparse_attention": ("kernels.triton_deepseek_v4_attention", "sparse_attention_triton"),
-               "v4_indexer": ("kernels.triton_deepseek_v4_indexer", "indexer_topk_triton")}
+               "v4_indexer": ("kernels.triton_deepseek_v4_indexer", "indexer_topk_triton"),
+               "linear": ("kernels.triton_linear", "linear_triton")}
     registry: dict[str, list[KernelImpl]] = {}
     for op in OPS:
         registry[op] = [

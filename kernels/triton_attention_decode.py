@@ -3,8 +3,16 @@
 Grid ``(num_seqs, num_kv_heads, num_splits)``: each program takes every query head of one KV head
 (GQA: the KV tile is read once for the whole group, the group padded to 16 rows for ``tl.dot``)
 over one contiguous slice of the sequence's context, and writes a partial output plus its
-log-sum-exp (base 2). A second kernel merges the splits. With one split the first kernel writes
-the final output directly.
+log-sum-exp (base 2). The program that finishes last for its (sequence, KV head) merges the
+splits in the same launch: each program takes a ticket from a per-(sequence, KV head) counter
+after its partial is written (a block barrier, then an acquire-release atomic at GPU scope), and
+the one holding the last ticket reads every partial (bypassing L1), writes the output and resets
+the counter to zero, so the counters are ready for the next launch (a CUDA graph replays the
+kernel with the same counters). One launch per layer instead of a split kernel and a merge kernel.
+With one split the kernel writes the final output directly.
+
+The counters are one int32 per (sequence, KV head), kept per device (:func:`_tickets`): launches
+that share them must not run concurrently, which holds for kernels issued in order on one stream.
 
 Each program derives its slice from the sequence's *current* length on the device, so a launch
 with a fixed ``num_splits`` (e.g. captured in a CUDA graph) stays correct as contexts grow.
@@ -37,10 +45,10 @@ _CONFIGS = [
 )
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, tickets_ptr,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ob, stride_oh, qk_scale, window,
-    NUM_Q_HEADS: tl.constexpr, GQA: tl.constexpr, BLOCK_H: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GQA: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -106,31 +114,45 @@ def _decode_split_kernel(
                  mask=h_mask[:, None] & d_mask[None, :])
         tl.store(part_lse_ptr + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)),
                  mask=h_mask)
+        # Every thread's partial is written before the ticket is taken (release, GPU scope).
+        tl.debug_barrier()
+        ticket_ptr = tickets_ptr + seq64 * NUM_KV_HEADS + kv_head
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_SPLITS - 1:  # the last program of this (sequence, KV head) merges
+            base = (seq64 * NUM_Q_HEADS + heads) * NUM_SPLITS  # [BLOCK_H]
+            io_mask = h_mask[:, None] & d_mask[None, :]
+            m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l_all = tl.zeros([BLOCK_H], tl.float32)
+            merged = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+            for s in range(NUM_SPLITS):
+                lse = tl.load(part_lse_ptr + base + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg")
+                piece = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask,
+                                other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_all, lse)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0
+                alpha = tl.exp2(m_all - m_ref)
+                w = tl.exp2(lse - m_ref)
+                l_all = l_all * alpha + w
+                merged = merged * alpha[:, None] + piece * w[:, None]
+                m_all = m_new
+            out = merged / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
+            tl.store(out_ptr + seq64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=io_mask)
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-@triton.jit
-def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    row = (seq * NUM_Q_HEADS + head) * NUM_SPLITS + offs_s  # [BLOCK_S]
-    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # empty splits: lse = -inf, weight 0
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's zeroed ticket counters, at least ``needed`` of them. Kernels leave them at zero;
+    a larger set is allocated (outside graph capture: the engine warms every batch size up eagerly
+    before capturing) only when a launch needs more."""
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < needed:
+        t = torch.zeros(max(4096, triton.next_power_of_2(needed)), dtype=torch.int32, device=device)
+        _TICKETS[device] = t
+    return t
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -166,20 +188,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits) if num_splits > 1 else (1,),
                            dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
+    tickets = _tickets(q.device, num_seqs * num_kv_heads) if num_splits > 1 else part_lse
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, tickets,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * _LOG2E, sliding_window or 0,
-        NUM_Q_HEADS=num_q_heads, GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, UPCAST=INTERPRET,
     )
-    if num_splits > 1:
-        _decode_merge_kernel[(num_seqs, num_q_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
-        )
     return out

@@ -1,20 +1,20 @@
-"""Skinny linear layers for decode in Triton: ``y = a(x) @ W.T (+ b)`` for a few rows of ``x``
-(a decode batch), where the step is bound by reading ``W`` once.
+"""Skinny linear layers for decode in Triton: ``y = x @ W.T (+ b)`` for a few rows of ``x`` (a
+decode batch), where the step is bound by reading ``W`` once, and the gated form
+``y = silu(x @ Wg.T) * (x @ Wu.T)`` for a SwiGLU MLP's fused ``[gate; up]`` projection.
 
 Grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``: a program streams ``BLOCK_N`` rows of ``W`` along
-``K`` and multiplies them with every row of its ``BLOCK_M`` rows of ``x``. One row (``BLOCK_M =
-1``) is a GEMV in registers (products summed along ``K``, no shared memory); more rows use
-``tl.dot``. Every program reads whole rows of ``W`` (no split-K), so there is no reduction pass;
-``BLOCK_N`` is small enough that every SM holds several programs. ``K`` is a compile-time constant
-(a layer's width), so full tiles need no ``K`` mask.
+``K`` (``tl.dot`` on tiles staged through shared memory by the software pipeline; the row tile is
+at least 16, so one decode row costs the same as 16) and writes whole outputs: no split-K and no
+reduction pass, unlike cuBLAS's decode GEMVs, which add a reduce kernel after the smaller
+projections. ``K`` is a compile-time constant (a layer's width).
 
-``a`` is the identity, or with ``swiglu`` the gated activation of
-:func:`kernels.activation.silu_and_mul_ref` computed on the fly from ``x = [gate | up]`` (the
-activation never goes to memory: one launch instead of two), rounded to ``x``'s dtype before the
-product as the unfused pair rounds it. Accumulation is in float32.
+Gated (``gated=True``, ``W = [Wg; Wu]`` of ``2N`` rows): a program reads the gate rows and the
+matching up rows, and its epilogue writes ``silu(gate) * up``, each rounded to the output dtype
+the way the unfused pair (projection, then :func:`kernels.activation.silu_and_mul_ref`) rounds
+them. The ``2N``-wide projection output never goes to memory and the SwiGLU kernel is gone.
 
-Above :data:`MAX_ROWS` rows the matrix product is compute-shaped and :func:`linear_triton` hands it
-to ``torch.nn.functional.linear`` (cuBLAS).
+Above :data:`MAX_ROWS` rows the product is compute-shaped and :func:`linear_triton` hands it to
+``torch.nn.functional.linear`` (cuBLAS), with the Triton SwiGLU kernel after it when gated.
 """
 from __future__ import annotations
 
@@ -23,39 +23,32 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.activation import silu_and_mul_ref
 from kernels.triton_support import INTERPRET, autotune_configs
 
 #: Rows of ``x`` up to which the Triton kernel runs (decode batches); larger ones go to cuBLAS.
 MAX_ROWS = 32
-
-
-def _configs() -> list[triton.Config]:
-    out = []
-    for bn, bk, warps, stages in [(16, 256, 4, 3), (16, 512, 4, 2), (32, 256, 4, 3), (32, 128, 4, 4),
-                                  (8, 512, 4, 3), (64, 128, 8, 3)]:
-        out.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages))
-    return out
-
-
-#: Shared memory one program may use on every target (sm_120 has 99 KB per block).
+#: Shared memory one program may stage (sm_120 has 99 KB per block).
 SHARED_LIMIT = 99 * 1024
 
 
+def _configs() -> list[triton.Config]:
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bn, bk, w, s in [(16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3),
+                                 (64, 256, 4, 3), (16, 512, 4, 3), (32, 512, 4, 3), (64, 256, 8, 4)]]
+
+
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """For ``tl.dot`` tiles (``BLOCK_M > 1``): at least 16 columns, and staged tiles that fit
-    :data:`SHARED_LIMIT`."""
-    bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1))
-    if bm == 1:
-        return configs
-    kept = [c for c in configs if c.kwargs["BLOCK_N"] >= 16
-            and c.num_stages * (bm + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 2 <= SHARED_LIMIT]
+    """Configs whose staged tiles (``x`` and one or two ``W`` tiles per stage) fit SHARED_LIMIT."""
+    bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
+    w_tiles = 2 if kwargs.get("GATED", named_args.get("GATED", False)) else 1
+    kept = [c for c in configs
+            if (c.num_stages - 1) * (bm + w_tiles * c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 2 <= SHARED_LIMIT]
     return kept or configs[:1]
 
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_xm, stride_wn, stride_ym,
-                          HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -64,53 +57,64 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, str
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    u_rows = w_rows + N * stride_wn  # gated: the up rows follow the N gate rows
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        xm = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_rows + offs_k[None, :], mask=xm, other=0.0)
-        if SWIGLU:
-            up = tl.load(x_rows + K + offs_k[None, :], mask=xm, other=0.0).to(tl.float32)
-            g = x.to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32) * up
-            x = x.to(w.dtype)
-        if BLOCK_M == 1:
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-        elif UPCAST:
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        if UPCAST:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            u = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
+            if UPCAST:
+                acc_u += tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)))
+            else:
+                acc_u = tl.dot(x, tl.trans(u), acc_u)
+    out_ty = y_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # round as the unfused pair does: projection, SiLU, product, each to the dtype
+        g = acc.to(out_ty).to(tl.float32)
+        up = acc_u.to(out_ty).to(tl.float32)
+        acc = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32) * up
     y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(y, acc.to(out_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 _autotuned = triton.autotune(
     configs=autotune_configs(_configs(), triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4)),
-    key=["N", "K", "BLOCK_M", "SWIGLU"],
+    key=["N", "K", "BLOCK_M", "GATED"],
     prune_configs_by={"early_config_prune": _prune},
 )(_skinny_linear_kernel)
 
 
 def block_m(rows: int) -> int:
-    """The kernel's row tile for ``rows`` rows: 1 (GEMV) or a ``tl.dot`` tile of at least 16."""
-    return 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
+    """The kernel's row tile for ``rows`` rows (a ``tl.dot`` tile: at least 16)."""
+    return max(16, triton.next_power_of_2(rows))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  swiglu: bool = False, config: dict | None = None) -> torch.Tensor:
-    """The Triton kernel for ``x [M, K]`` (``[M, 2K]`` with ``swiglu``), ``weight [N, K]``; any
-    ``M`` (the caller decides when it pays). ``config`` (``BLOCK_N``, ``BLOCK_K``, ``num_warps``,
-    ``num_stages``) skips the autotuner (benchmarks sweep configs with it)."""
-    m = x.shape[0]
-    n, k = weight.shape
-    if x.shape[-1] != (2 * k if swiglu else k):
-        raise ValueError(f"x has {x.shape[-1]} columns; weight {tuple(weight.shape)} needs "
-                         f"{2 * k if swiglu else k}{' (swiglu: [gate | up])' if swiglu else ''}")
+                  gated: bool = False, config: dict | None = None) -> torch.Tensor:
+    """The Triton kernel for ``x [M, K]`` and ``weight [N, K]`` (``[2N, K]`` = ``[gate; up]`` when
+    ``gated``), any ``M`` (the caller decides when it pays). ``config`` (``BLOCK_N``, ``BLOCK_K``,
+    ``num_warps``, ``num_stages``) skips the autotuner (benchmarks sweep configs with it)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} columns but weight {tuple(weight.shape)} has {weight.shape[1]}")
+    if gated:
+        if n % 2:
+            raise ValueError(f"gated weight needs [gate; up] rows, got an odd {n}")
+        n //= 2
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:
@@ -121,12 +125,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     bm = block_m(m)
     args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
             y.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, SWIGLU=swiglu, UPCAST=INTERPRET, BLOCK_M=bm)
+    flags = dict(HAS_BIAS=bias is not None, GATED=gated, UPCAST=INTERPRET, BLOCK_M=bm)
     if config is not None:
         c = dict(config)
-        warps, stages = c.pop("num_warps", 4), c.pop("num_stages", 2)
-        grid = (triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(m, bm))
-        _skinny_linear_kernel[grid](*args, **flags, **c, num_warps=warps, num_stages=stages)
+        warps, stages = c.pop("num_warps", 4), c.pop("num_stages", 3)
+        _skinny_linear_kernel[(triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(m, bm))](
+            *args, **flags, **c, num_warps=warps, num_stages=stages)
     else:
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, bm))
@@ -134,23 +138,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-               swiglu: bool = False) -> torch.Tensor:
-    """Reference semantics: ``F.linear(silu_and_mul(x) if swiglu else x, weight, bias)``."""
-    return F.linear(silu_and_mul_ref(x) if swiglu else x, weight, bias)
-
-
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  swiglu: bool = False) -> torch.Tensor:
-    """``linear_ref`` semantics for ``x [..., K]``: the Triton kernel for up to :data:`MAX_ROWS`
-    rows of a 16-bit dtype, cuBLAS (after the Triton SwiGLU) otherwise."""
+                  gated: bool = False) -> torch.Tensor:
+    """:func:`kernels.linear.linear_ref` semantics for ``x [..., K]``: the Triton kernel for up to :data:`MAX_ROWS`
+    rows of a 16-bit dtype, cuBLAS (and the Triton SwiGLU when gated) otherwise."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
-        y = skinny_linear(x2, weight, bias, swiglu=swiglu)
+        y = skinny_linear(x2, weight, bias, gated=gated)
     else:
-        if swiglu:
-            from kernels.triton_activation import silu_and_mul_triton
-            x2 = silu_and_mul_triton(x2)
         y = F.linear(x2, weight, bias)
-    return y.view(*lead, weight.shape[0])
+        if gated:
+            from kernels.triton_activation import silu_and_mul_triton
+            y = silu_and_mul_triton(y)
+    return y.view(*lead, y.shape[-1])

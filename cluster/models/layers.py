@@ -9,17 +9,19 @@ from cluster.models.ops import REFERENCE_OPS, Ops
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)``; ``W [out_features, in_features]``."""
+    """``y = x @ W.T (+ b)``; ``W [out_features, in_features]``, through ``ops.linear``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
+        self.ops = ops
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """``gated``: the weight is ``[gate; up]`` and the result ``silu(gate) * up``."""
+        return self.ops.linear(x, self.weight, self.bias, gated=gated)
 
 
 class RMSNorm(nn.Module):
@@ -44,14 +46,15 @@ class Embedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with fused ``gate_up_proj [2 * I, H]``."""
+    """SwiGLU MLP with fused ``gate_up_proj [2 * I, H]``; the projection and the activation are
+    one gated ``ops.linear`` call (one kernel for decode batches on the GPU)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False,
                  dtype: torch.dtype | None = None, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
-        self.down_proj = Linear(intermediate, hidden, bias, dtype)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype, ops)
+        self.down_proj = Linear(intermediate, hidden, bias, dtype, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x, gated=True))

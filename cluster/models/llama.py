@@ -84,8 +84,8 @@ class LlamaAttention(nn.Module):
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
         self.scale = args.head_dim ** -0.5
-        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, args.hidden_size, args.o_bias, dtype)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias, dtype, ops)
+        self.o_proj = Linear(self.q_size, args.hidden_size, args.o_bias, dtype, ops)
         if args.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps, dtype, ops)
             self.k_norm: RMSNorm | None = RMSNorm(args.head_dim, args.rms_norm_eps, dtype, ops)

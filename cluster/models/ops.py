@@ -14,6 +14,7 @@ from kernels import dispatch
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref, write_kv_cache
 from kernels.deepseek_v4_ref import indexer_topk_ref, sparse_attention_ref
+from kernels.linear import linear_ref
 from kernels.moe import fused_moe_ref
 from kernels.norm import rms_norm_ref
 from kernels.qkv_prepare import qkv_prepare_ref
@@ -26,7 +27,7 @@ FIELDS = {("attention", "main"): "attention", ("kv_cache_write", "main"): "kv_ca
           ("rms_norm", "main"): "rms_norm", ("rotary", "main"): "rotary",
           ("silu_and_mul", "main"): "silu_and_mul", ("moe", "main"): "moe", ("moe", "draft"): "draft_moe",
           ("sampling", "main"): "sampling", ("v4_sparse_attention", "main"): "v4_sparse_attention",
-          ("v4_indexer", "main"): "v4_indexer"}
+          ("v4_indexer", "main"): "v4_indexer", ("linear", "main"): "linear"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Ops:
     #: DeepSeek-V4: sparse attention (window + compressed entries + sinks), lightning indexer top-k.
     v4_sparse_attention: Callable[..., torch.Tensor] = sparse_attention_ref
     v4_indexer: Callable[..., torch.Tensor] = indexer_topk_ref
+    #: Dense projections (``gated=True``: a SwiGLU MLP's fused gate/up projection and its activation).
+    linear: Callable[..., torch.Tensor] = linear_ref
     #: The resolution, one dict per component (logged at start-up, served at /v1/backends).
     table: tuple[dict[str, Any], ...] = field(default=(), compare=False)
 
@@ -55,7 +58,8 @@ def base_components() -> list[tuple[str, str, str, str]]:
     return [("attention", "attention", "bf16", "main"), ("kv_cache_write", "kv_cache_write", "bf16", "main"),
             ("qkv_prepare", "qkv_prepare", "bf16", "main"),
             ("rms_norm", "rms_norm", "bf16", "main"), ("rotary", "rotary", "bf16", "main"),
-            ("silu_and_mul", "silu_and_mul", "bf16", "main"), ("sampler", "sampling", "bf16", "main")]
+            ("silu_and_mul", "silu_and_mul", "bf16", "main"), ("sampler", "sampling", "bf16", "main"),
+            ("linear", "linear", "bf16", "main")]
 
 
 def resolve_ops(components: Sequence[tuple[str, str, str, str]], device: torch.device, *,

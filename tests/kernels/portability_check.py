@@ -33,12 +33,9 @@ def _cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
     table, lens, part = _t(64, 300, dtype=i32), _t(64, dtype=i32), _t(64, 32, 8, 128, dtype=f32)
     strides = (2048 * 16, 256, 16) * 2
     yield ("decode", triton_attention_decode._decode_split_kernel,
-           (q, cache, cache, table, lens, q, part, part, 4096, 128, *strides, 300, 4096, 128, 0.1, 0),
-           dict(NUM_Q_HEADS=32, GQA=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16,
+           (q, cache, cache, table, lens, q, part, part, lens, 4096, 128, *strides, 300, 4096, 128, 0.1, 0),
+           dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GQA=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16,
                 NUM_SPLITS=8, HAS_WINDOW=False, UPCAST=False))
-    yield ("decode_merge", triton_attention_decode._decode_merge_kernel,
-           (part, part, q, 4096, 128),
-           dict(NUM_Q_HEADS=32, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, BLOCK_S=8, num_warps=4))
     yield ("prefill", triton_attention_prefill._prefill_kernel,
            (q, cache, cache, q, _t(65, dtype=i32), lens, table, 4096, 128, *strides, 300, 4096,
             128, 0.1, 0, 4096),
@@ -78,11 +75,11 @@ def _cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
            (ids, ids, ids, ids, ids, 384, 280, x, x, 4096, 4096),
            dict(NUM_EXPERTS=256, BLOCK_E=256, BLOCK_P=64, BLOCK_M=16, BLOCK_H=2048, num_warps=8))
     from kernels import triton_linear
-    w, xl = _t(6144, 4096), _t(32, 8192)
-    for rows, swiglu in ((1, False), (32, True)):  # GEMV in registers; tl.dot with the SwiGLU prologue
-        yield (f"linear_m{rows}", triton_linear._autotuned,
-               (xl, w, w, xl, rows, 6144, 4096, 8192, 4096, 8192),
-               dict(HAS_BIAS=False, SWIGLU=swiglu, UPCAST=False, BLOCK_M=triton_linear.block_m(rows)))
+    w, xl = _t(24576, 4096), _t(32, 4096)
+    for rows, gated in ((1, False), (32, True)):  # a decode row; a batch of 32 through gate/up
+        yield (f"linear_m{rows}{'_gated' if gated else ''}", triton_linear._autotuned,
+               (xl, w, w, xl, rows, 12288, 4096, 4096, 4096, 12288),
+               dict(HAS_BIAS=False, GATED=gated, UPCAST=False, BLOCK_M=triton_linear.block_m(rows)))
     yield from _moe_cases(triton_moe)
 
 

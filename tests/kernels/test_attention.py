@@ -85,6 +85,22 @@ def test_decode_splits(num_splits: int, window: int | None) -> None:
     _check(out, ref, torch.float32)
 
 
+def test_decode_merge_tickets_reset_for_the_next_launch() -> None:
+    """The last split of each (sequence, KV head) merges in the same launch and puts its ticket
+    counter back to zero: repeated launches (graph replays) give the same, right output."""
+    from kernels.triton_attention_decode import _TICKETS
+    batch = make_paged_batch([(61, 1), (9, 1), (130, 1)], 6, 3, head_dim=16, block_size=8, device=DEVICE,
+                             seed=9)
+    meta = batch.meta
+    ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, meta, 0.2)
+    outs = [paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens,
+                                   meta.max_seq_len, 0.2, num_splits=5, out=poisoned_like(batch.q))
+            for _ in range(3)]
+    for out in outs:
+        _check(out, ref, torch.float32)
+    assert int(_TICKETS[batch.q.device].count_nonzero()) == 0
+
+
 def test_decode_split_count_fixed_while_context_grows() -> None:
     """A launch shape captured at a short context (CUDA graphs) stays right at a longer one."""
     batch = make_paged_batch([(200, 1), (150, 1)], 4, 1, head_dim=16, block_size=16, device=DEVICE,
