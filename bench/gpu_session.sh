@@ -28,10 +28,11 @@ for part in "$@"; do
     serve8) timeout 560 python3 bench/serve_gpu.py --gpus 8 --kv-transfer ipc --out "$OUT/serve-h200x8-$date.json" 2>&1 | tail -20 ;;
     v4tests) timeout 300 python3 -m pytest -q -m gpu tests/models/test_deepseek_v4_ops.py tests/kernels/test_deepseek_v4_kernels.py -p no:cacheprovider 2>&1 | tail -15 ;;
     lineartests) timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_linear.py -p no:cacheprovider 2>&1 | tail -15 ;;
+    attn) timeout 200 python3 bench/decode_attention_gpu.py --budget-s 150 --out "$OUT/decode-attention-h200-$date.json" 2>&1 | tail -40 ;;
     linear) timeout 200 python3 bench/linear_gpu.py --budget-s 150 --out "$OUT/linear-h200-$date.json" 2>&1 | grep -v "^  " | tail -40 ;;
     profile) timeout 240 python3 bench/decode_profile.py --out "$OUT/decode-profile-h200-$date.json" 2>&1 | tail -62 ;;
     profile-torch) timeout 240 python3 bench/decode_profile.py --linear torch --out "$OUT/decode-profile-torch-linear-h200-$date.json" 2>&1 | grep '^{' ;;
-    gputests) timeout 420 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/kernels/test_linear.py tests/engine/test_cuda_graphs.py tests/models/test_deepseek_v4_ops.py tests/kernels/test_deepseek_v4_kernels.py -p no:cacheprovider 2>&1 | tail -15 ;;
+    gputests) timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/kernels/test_linear.py tests/engine/test_cuda_graphs.py tests/models/test_deepseek_v4_ops.py tests/kernels/test_deepseek_v4_kernels.py -p no:cacheprovider 2>&1 | tail -15 ;;
     v4) timeout 240 python3 bench/deepseek_v4_layers.py --out "$OUT/deepseek-v4-layers-h200-$date.json" 2>&1 | tail -30 ;;
     *) echo "unknown part $part" ;;
   esac

@@ -166,12 +166,13 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float, sliding_window: int | None = None,
-                           num_splits: int | None = None, out: torch.Tensor | None = None
-                           ) -> torch.Tensor:
+                           num_splits: int | None = None, out: torch.Tensor | None = None,
+                           config: dict | None = None) -> torch.Tensor:
     """``q [B, Hq, D]`` (one token per sequence, at position ``seq_lens[b] - 1``) over paged
     ``k/v_cache [num_blocks, block_size, Hkv, D]``; returns ``[B, Hq, D]`` in ``q``'s dtype.
     ``num_splits`` defaults to :func:`decode_num_splits`; keep it fixed under CUDA graphs.
-    ``out`` (optional, ``[B, Hq, D]``, last dim contiguous) receives the result."""
+    ``out`` (optional, ``[B, Hq, D]``, last dim contiguous) receives the result. ``config``
+    (``BLOCK_N``, ``num_warps``, ``num_stages``) skips the autotuner (benchmarks sweep it)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -189,7 +190,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     tickets = _tickets(q.device, num_seqs * num_kv_heads) if num_splits > 1 else part_lse
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    kernel, launch = _decode_split_kernel, {}
+    if config is not None:
+        kernel, launch = _decode_split_kernel.fn, dict(config)
+    kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, tickets,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -197,6 +201,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * _LOG2E, sliding_window or 0,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-        HAS_WINDOW=sliding_window is not None, UPCAST=INTERPRET,
+        HAS_WINDOW=sliding_window is not None, UPCAST=INTERPRET, **launch,
     )
     return out

@@ -18,6 +18,8 @@ Above :data:`MAX_ROWS` rows the product is compute-shaped and :func:`linear_trit
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -25,24 +27,36 @@ import triton.language as tl
 
 from kernels.triton_support import INTERPRET, autotune_configs
 
-#: Rows of ``x`` up to which the Triton kernel runs (decode batches); larger ones go to cuBLAS.
-MAX_ROWS = 32
-#: Shared memory one program may stage (sm_120 has 99 KB per block).
-SHARED_LIMIT = 99 * 1024
+#: Rows of ``x`` up to which the Triton kernel runs (decode batches); larger ones go to cuBLAS
+#: (on an H200 cuBLAS is as fast or faster from 32 rows: bench/results/linear-h200-*.json).
+MAX_ROWS = 16
+#: Shared memory a program may stage without a GPU to ask (sm_90's 227 KB, the most of any target).
+SHARED_LIMIT = 227 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_limit() -> int:
+    """The current GPU's shared memory per block (99 KB on sm_120, 227 KB on sm_90)."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin)
+    return SHARED_LIMIT
 
 
 def _configs() -> list[triton.Config]:
+    # the fastest configs of a sweep over Qwen3-8B's four projections at 1 and 32 rows on an H200
+    # (bench/linear_gpu.py), each the best for at least one of them
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in [(16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3),
-                                 (64, 256, 4, 3), (16, 512, 4, 3), (32, 512, 4, 3), (64, 256, 8, 4)]]
+            for bn, bk, w, s in [(64, 256, 4, 4), (32, 512, 4, 4), (32, 128, 4, 3), (64, 128, 4, 3),
+                                 (32, 256, 4, 4), (64, 512, 4, 3), (32, 512, 4, 3)]]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Configs whose staged tiles (``x`` and one or two ``W`` tiles per stage) fit SHARED_LIMIT."""
+    """Configs whose staged tiles (``x`` and one or two ``W`` tiles per pipelined stage) fit the
+    device's shared memory."""
     bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
     w_tiles = 2 if kwargs.get("GATED", named_args.get("GATED", False)) else 1
     kept = [c for c in configs
-            if (c.num_stages - 1) * (bm + w_tiles * c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 2 <= SHARED_LIMIT]
+            if (c.num_stages - 1) * (bm + w_tiles * c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 2 <= _shared_limit()]
     return kept or configs[:1]
 
 
