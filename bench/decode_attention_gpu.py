@@ -38,7 +38,7 @@ def main() -> None:
     bw = copy_bandwidth(device)
     result: dict[str, Any] = {"benchmark": "decode-attention-configs", "environment": environment(),
                               "copy_bandwidth_GBps": bw / 1e9, "layers": args.layers, "rows": []}
-    configs = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in dec._CONFIGS]
+    configs = dec.SWEEP_CONFIGS
     gen = torch.Generator(device=device).manual_seed(0)
     for b, ctx, max_len in CASES:
         pages = -(-ctx // PAGE)

@@ -32,6 +32,7 @@ for part in "$@"; do
     linear) timeout 200 python3 bench/linear_gpu.py --budget-s 150 --out "$OUT/linear-h200-$date.json" 2>&1 | grep -v "^  " | tail -40 ;;
     profile) timeout 240 python3 bench/decode_profile.py --out "$OUT/decode-profile-h200-$date.json" 2>&1 | tail -62 ;;
     profile-torch) timeout 240 python3 bench/decode_profile.py --linear torch --out "$OUT/decode-profile-torch-linear-h200-$date.json" 2>&1 | grep '^{' ;;
+    attntests) timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/engine/test_cuda_graphs.py -p no:cacheprovider 2>&1 | tail -8 ;;
     gputests) timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/kernels/test_linear.py tests/engine/test_cuda_graphs.py tests/models/test_deepseek_v4_ops.py tests/kernels/test_deepseek_v4_kernels.py -p no:cacheprovider 2>&1 | tail -15 ;;
     v4) timeout 240 python3 bench/deepseek_v4_layers.py --out "$OUT/deepseek-v4-layers-h200-$date.json" 2>&1 | tail -30 ;;
     *) echo "unknown part $part" ;;

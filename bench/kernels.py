@@ -84,7 +84,7 @@ def contiguous_kv(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(copy_tb_s: float | None, b: int = 64, ctx: int = 4096, hq: int = 32,
                      hkv: int = 8, d: int = 128) -> dict[str, Any]:
-    from kernels.triton_attention_decode import (_decode_split_kernel, decode_num_splits,
+    from kernels.triton_attention_decode import (GPU_CONFIG, decode_num_splits,
                                                  paged_decode_attention)
     k_cache, v_cache, tables, _ = paged_cache(b, ctx, hkv, d)
     q = torch.randn(b, hq, d, device=DEV, dtype=BF16)
@@ -117,7 +117,7 @@ def decode_attention(copy_tb_s: float | None, b: int = 64, ctx: int = 4096, hq: 
                triton_ms=sweep[default]["ms"], triton_tb_s=sweep[default]["tb_s"],
                sdpa_ms=sdpa_ms, sdpa_tb_s=kv_bytes / sdpa_ms / 1e9, sdpa_gqa=gqa,
                speedup_vs_sdpa=sdpa_ms / sweep[default]["ms"],
-               autotuned=str(_decode_split_kernel.best_config))
+               config=dict(GPU_CONFIG))
     if copy_tb_s:
         out["fraction_of_copy_bw"] = out["triton_tb_s"] / copy_tb_s
     return out

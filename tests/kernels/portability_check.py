@@ -35,7 +35,7 @@ def _cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
     yield ("decode", triton_attention_decode._decode_split_kernel,
            (q, cache, cache, table, lens, q, part, part, lens, 4096, 128, *strides, 300, 4096, 128, 0.1, 0),
            dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, GQA=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16,
-                NUM_SPLITS=8, HAS_WINDOW=False, UPCAST=False))
+                NUM_SPLITS=8, HAS_WINDOW=False, UPCAST=False, **triton_attention_decode.GPU_CONFIG))
     yield ("prefill", triton_attention_prefill._prefill_kernel,
            (q, cache, cache, q, _t(65, dtype=i32), lens, table, 4096, 128, *strides, 300, 4096,
             128, 0.1, 0, 4096),
