@@ -17,8 +17,8 @@ of (bytes it must move) / (copy bandwidth) and (FLOPs) / (bf16 matmul rate), bot
 in the same run. Bytes: the layer's dense weights, the routed experts the step actually routes to
 (packed MXFP4 bytes + scales) and the KV entries its queries read (each once per sequence). FLOPs:
 its matmuls (routed experts at top-k per token), attention over each query's window and compressed
-entries, and the indexer's scores. Decode runs eagerly (no CUDA graphs): the compressors' host-side
-loops are part of what is measured. Each section records its own error.
+entries, and the indexer's scores. Decode runs eagerly (no CUDA graphs): at batch 1 the host's
+kernel launches are most of what is measured. Each section records its own error.
 
     python3 bench/deepseek_v4_layers.py --out bench/results/deepseek_v4_layers-h200-<date>.json
     python3 bench/deepseek_v4_layers.py --tiny   # toy widths on CPU (the test runs this)

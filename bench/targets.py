@@ -29,8 +29,8 @@ def row(what: str, value: float, target: float, unit: str, source: str, limit: s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="kernels-h200-2026-11-29-run2.json")
-    parser.add_argument("--engine", default="engine-h200-2026-11-29-run3.json")
+    parser.add_argument("--kernels", default="kernels-h200-2026-11-29-run3.json")
+    parser.add_argument("--engine", default="engine-h200-2026-11-29-run4.json")
     parser.add_argument("--transfer", default="transfer-h200-2026-11-29.json")
     parser.add_argument("--out", default=os.path.join(RESULTS, "targets-h200-2026-11-29.json"))
     args = parser.parse_args()
@@ -53,10 +53,11 @@ def main() -> None:
                         args.kernels, "fp4: instruction-bound nibble decode in registers (3.5-3.9 instructions "
                         "per weight); batch 1: fixed launch cost against an 18.8 us floor"))
     b1, b32 = e["rows"]["decode-b1"], e["rows"]["decode-b32"]
-    limit = ("pipelined decode hides the host's work (the -sync rows show what it cost); what is left is GPU "
-             "time: the decode graph's cuBLAS GEMVs run below copy bandwidth on the smaller projections, about "
-             "10 small kernels per layer (norms, q/k prepare, attention split and merge, SwiGLU, split-K "
-             "reduce) and the logits GEMM and sampling outside the graph; see kernels/NOTES.md")
+    limit = ("GPU time in the decode graph (decode-profile-h200-2026-11-29.json): the projections run at "
+             "72-92% of copy bandwidth (the smaller ones lose most: a kernel's ramp-up and tail against 8-50 MB of "
+             "weights), two RMSNorms and the q/k prepare per layer (~6.5 us a layer), decode attention at batch "
+             "32 and 530 tokens of context at ~66% of its KV roofline; the logits GEMM and sampling run outside "
+             "the graph; see kernels/NOTES.md")
     rows.append(row("engine decode batch 1, % of HBM roofline", b1["pct_of_roofline"], 90, "%", args.engine, limit))
     rows.append(row("engine decode batch 32, % of roofline incl. KV", b32["pct_of_roofline"], 80, "%", args.engine, limit))
     rows.append(row("KV transfer ipc, worst size, ratio to raw CUDA IPC", t["target"]["ipc_worst_ratio"], 0.8, "x",
