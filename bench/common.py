@@ -19,8 +19,9 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain")),
+        # PD_BENCH_COMMIT: the commit a copied tree was made from, where the copy's git is stale
+        "commit": os.environ.get("PD_BENCH_COMMIT") or _git("rev-parse", "HEAD"),
+        "dirty": False if os.environ.get("PD_BENCH_COMMIT") else bool(_git("status", "--porcelain")),
     }
     try:
         import transformers

@@ -3,6 +3,8 @@
 # tool's device-bundle), then run the named parts, each bounded, logging under $OUT.
 #   bash bench/gpu_session.sh tests kernels engine
 #   bash bench/gpu_session.sh transfer2 serve2      # issue 6, on nvidia-h200-x2 (serve8 on x8)
+# Results record PD_BENCH_COMMIT as their commit when it is set (the GPU machine's copy of the
+# tree may carry a stale git HEAD): PD_BENCH_COMMIT=<hash of the committed tree> bash bench/gpu_session.sh ...
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/site
