@@ -52,8 +52,9 @@ def profile_batch(engine, batch: int, prompt_len: int, steps: int) -> dict[str, 
             k[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             k[1] += 1
     total_us = sum(v[0] for v in kernels.values())
-    table = sorted(({"kernel": n, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps}
-                    for n, v in kernels.items()), key=lambda r: -r["us_per_step"])
+    table: list[dict[str, Any]] = sorted(
+        ({"kernel": n, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps} for n, v in kernels.items()),
+        key=lambda r: -float(r["us_per_step"]))
     return {"batch": batch, "steps": steps, "step_wall_ms": 1000 * median(walls[1:]),
             "gpu_kernel_ms_per_step": total_us / steps / 1000,
             "kernel_launches_per_step": sum(v[1] for v in kernels.values()) / steps, "kernels": table[:40]}
@@ -68,7 +69,7 @@ def main() -> None:
     parser.add_argument("--linear", choices=["dispatch", "torch"], default="dispatch")
     args = parser.parse_args()
     device = torch.device("cuda")
-    config = TINY if args.tiny else QWEN3_8B
+    config: dict[str, Any] = TINY if args.tiny else QWEN3_8B
     bw = copy_bandwidth(device, 0.25 if args.tiny else 2.0)
     loaded = random_model(config, device, "auto")
     if args.linear == "torch":  # every module holding the ops gets the same ops with torch's linear

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_support import INTERPRET, autotune_configs
 
 #: Rows of ``x`` up to which the Triton kernel runs (decode batches); larger ones go to cuBLAS
@@ -38,7 +39,8 @@ SHARED_LIMIT = 227 * 1024
 def _shared_limit() -> int:
     """The current GPU's shared memory per block (99 KB on sm_120, 227 KB on sm_90)."""
     if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin)
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
     return SHARED_LIMIT
 
 
@@ -70,8 +72,9 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, str
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    u_rows = w_rows + N * stride_wn  # gated: the up rows follow the N gate rows
+    rows = offs_n.to(tl.int64)
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    u_rows = w_ptr + (rows + N)[:, None] * stride_wn  # gated: the up rows follow the N gate rows
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -154,8 +157,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   gated: bool = False) -> torch.Tensor:
-    """:func:`kernels.linear.linear_ref` semantics for ``x [..., K]``: the Triton kernel for up to :data:`MAX_ROWS`
-    rows of a 16-bit dtype, cuBLAS (and the Triton SwiGLU when gated) otherwise."""
+    """:func:`kernels.linear.linear_ref` semantics for ``x [..., K]``: the Triton kernel for up to
+    :data:`MAX_ROWS` rows of a 16-bit dtype, cuBLAS (and the Triton SwiGLU when gated) otherwise."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
@@ -163,6 +166,5 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     else:
         y = F.linear(x2, weight, bias)
         if gated:
-            from kernels.triton_activation import silu_and_mul_triton
             y = silu_and_mul_triton(y)
     return y.view(*lead, y.shape[-1])
