@@ -7,7 +7,14 @@ prefix ``pg/<k>`` (receiver rank 0, sender rank 1). The receiver runs one thread
 receives messages and copies their blocks into its KV storage. A message is a header
 ``[kind, key_len, num_groups, last]``, the request key's bytes, then per group ``[group, count]``,
 the destination block ids and the blocks' bytes. NCCL cannot pair two ranks on one GPU: on a
-single GPU use ``ipc``."""
+single GPU use ``ipc``.
+
+The sender announces each message in the store (the counter ``msg/<k>``) before its first send,
+and the receiver posts receives only for announced messages: an idle pair has no receive
+outstanding. (A receive left waiting is a kernel spinning on the receiver's GPU, and NCCL's
+watchdog aborts the whole process once it has waited ``timeout_s``: an idle minute between a
+prefill and a decode worker would kill the decode worker.) The receiver polls the counter, every
+0.2 ms right after a message and backing off to every 2 ms when idle."""
 from __future__ import annotations
 
 import datetime
@@ -25,6 +32,7 @@ from cluster.kv_transfer.base import BlockCopy, KVTransferBackend, PeerCache, Tr
 
 logger = logging.getLogger(__name__)
 _DATA, _BYE = 1, 2
+_POLL_MIN_S, _POLL_MAX_S = 0.0002, 0.002
 
 
 def _make_group(store: Any, rank: int, device: torch.device, timeout_s: float) -> Any:
@@ -76,8 +84,17 @@ class NCCLBackend(KVTransferBackend):
 
     def _receive_loop(self, group: Any, pair: int) -> None:
         storage_rows = [rows(t) for t in self.kv_caches]
+        # this thread's own client of the store (the master object stays with the accept thread)
+        store = dist.TCPStore(self.host, self._store.port, is_master=False,
+                              timeout=datetime.timedelta(seconds=self.timeout_s))
+        announced, done, pause = f"msg/{pair}", 0, _POLL_MIN_S
         while not self._closed.is_set():
             try:
+                if store.add(announced, 0) <= done:  # nothing announced: no receive posted
+                    time.sleep(pause)
+                    pause = min(2 * pause, _POLL_MAX_S)
+                    continue
+                done, pause = done + 1, _POLL_MIN_S
                 header = torch.zeros(4, dtype=torch.int64, device=self.device)
                 group.recv([header], 1, 0).wait()
                 kind, key_len, num_groups, last = header.tolist()
@@ -124,13 +141,14 @@ class NCCLBackend(KVTransferBackend):
                               timeout=datetime.timedelta(seconds=self.timeout_s))
         k = store.add("pairs", 1) - 1
         store.set(f"pair/{k}", self.engine_id)
-        return _make_group(dist.PrefixStore(f"pg/{k}", store), 1, self.device, self.timeout_s), store
+        return _make_group(dist.PrefixStore(f"pg/{k}", store), 1, self.device, self.timeout_s), store, k
 
     def _send(self, dest: TransferEndpoint, request_key: str, copies: list[BlockCopy], last: bool) -> int:
         with self._send_lock:
-            group, _ = self._peers.get(dest, self._connect)
+            group, store, k = self._peers.get(dest, self._connect)
             key = torch.tensor(list(request_key.encode()), dtype=torch.uint8, device=self.device)
             header = torch.tensor([_DATA, key.numel(), len(copies), int(last)], dtype=torch.int64, device=self.device)
+            store.add(f"msg/{k}", 1)  # announce: the receiver posts its receives now
             group.send([header], 0, 0).wait()
             group.send([key], 0, 0).wait()
             storage_rows = [rows(t) for t in self.kv_caches]
@@ -147,9 +165,10 @@ class NCCLBackend(KVTransferBackend):
     def close(self) -> None:
         self._closed.set()
         with self._send_lock:
-            for group, _ in self._peers.values():
+            for group, store, k in self._peers.values():
                 try:
                     bye = torch.tensor([_BYE, 0, 0, 0], dtype=torch.int64, device=self.device)
+                    store.add(f"msg/{k}", 1)
                     group.send([bye], 0, 0).wait()
                 except Exception:  # noqa: BLE001 - the receiver is gone already
                     pass

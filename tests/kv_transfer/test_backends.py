@@ -4,6 +4,7 @@ receiver, and reports failures as KVTransferError."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 import uuid
 
 import pytest
@@ -17,9 +18,10 @@ CTX = mp.get_context("spawn")
 
 
 class Receiver:
-    def __init__(self, name: str, engine_id: str) -> None:
+    def __init__(self, name: str, engine_id: str, **options) -> None:
         self.to_child, self.from_child = CTX.Queue(), CTX.Queue()
-        self.proc = CTX.Process(target=receiver, args=(name, engine_id, self.from_child, self.to_child), daemon=True)
+        self.proc = CTX.Process(target=receiver, args=(name, engine_id, self.from_child, self.to_child, options),
+                                daemon=True)
         self.proc.start()
         self.endpoint = self.from_child.get(timeout=60)
 
@@ -80,6 +82,24 @@ def test_restarted_receiver_is_renegotiated(name):
     finally:
         sender.close()
         second.stop()
+
+
+def test_nccl_pair_outlives_an_idle_pause_longer_than_its_timeout():
+    """The receiver posts receives only for announced messages: an idle pair waits on nothing
+    (with NCCL, a posted receive waiting timeout_s makes the watchdog abort the receiver's process;
+    with Gloo it ends the pair). A send after a pause longer than the timeout still lands."""
+    rid = f"d-{uuid.uuid4().hex[:8]}"
+    recv = Receiver("nccl", rid, timeout_s=1.0)
+    sender = make_backend("nccl", f"p-{uuid.uuid4().hex[:8]}", fill=5, timeout_s=1.0)
+    try:
+        sender.send(recv.endpoint, "before", copies(), last=True)
+        assert torch.equal(recv.blocks("before", 0, [5, 2, 11]), sender.kv_caches[0][[3, 1, 7]])
+        time.sleep(2.5)
+        sender.send(recv.endpoint, "after", [BlockCopy(0, [9], [8])], last=True)
+        assert torch.equal(recv.blocks("after", 0, [8]), sender.kv_caches[0][[9]])
+    finally:
+        sender.close()
+        recv.stop()
 
 
 def test_local_backend_and_injected_failure():

@@ -13,8 +13,8 @@ SPECS = [
 NUM_BLOCKS = [12, 6]
 
 
-def make_backend(name: str, engine_id: str, fill: float | None):
-    storage = KVStorage(name, engine_id)
+def make_backend(name: str, engine_id: str, fill: float | None, **options):
+    storage = KVStorage(name, engine_id, **options)
     caches = storage.allocate(SPECS, NUM_BLOCKS, torch.device("cpu"), [torch.float32, torch.bfloat16])
     if fill is not None:
         gen = torch.Generator().manual_seed(int(fill))
@@ -23,9 +23,9 @@ def make_backend(name: str, engine_id: str, fill: float | None):
     return storage.build(caches, SPECS)
 
 
-def receiver(name: str, engine_id: str, to_parent, from_parent) -> None:
+def receiver(name: str, engine_id: str, to_parent, from_parent, options: dict | None = None) -> None:
     """Serve an endpoint; on each 'check' message, wait for the key and send back the blocks."""
-    backend = make_backend(name, engine_id, None)
+    backend = make_backend(name, engine_id, None, **(options or {}))
     to_parent.put(backend.endpoint())
     while True:
         msg = from_parent.get()
