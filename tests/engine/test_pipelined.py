@@ -153,3 +153,17 @@ def test_async_engine_streams_and_cancels_with_a_step_in_flight(model_dir):
         assert piped.engine.num_pipelined_steps > 5
     finally:
         loop_engine.shutdown()
+
+
+@pytest.mark.parametrize("max_tokens", [3, 4, 5, 7, 8])
+def test_prefix_cache_registers_the_same_blocks(model_dir, max_tokens):
+    """Blocks filled by the steps in flight when a request ends are registered in the prefix cache
+    as synchronous steps register them (block size 4: the lengths end inside and on a block)."""
+    prompts = mixed_prompts(300, (9, 17, 6), seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    counts = []
+    for llm in pair(model_dir):
+        llm.generate(prompts, params)
+        llm.engine.step()  # read the last step in flight, if any
+        counts.append(len(llm.engine.kv.pools[0].cached))
+    assert counts[0] == counts[1] > 0
