@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import statistics
 import sys
@@ -47,8 +46,9 @@ from cluster.common.kv_spec import KVGroupSpec  # noqa: E402
 from cluster.models.context import ForwardContext  # noqa: E402
 from cluster.models.deepseek_v4 import DeepseekV4Block, DeepseekV4ForCausalLM, kernel_components  # noqa: E402
 from cluster.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Args  # noqa: E402
+from cluster.models.dummy import init_dummy_weights  # noqa: E402
+from kernels.quant import QuantizedWeight  # noqa: E402
 from cluster.models.ops import resolve_ops  # noqa: E402
-from kernels.quant import QuantizedWeight, quantize_mxfp4  # noqa: E402
 from tests.deepseek_factories import V4_FLASH_CONFIG  # noqa: E402
 
 LAYERS = [SLIDING, CSA, HCA, CSA]
@@ -82,41 +82,15 @@ def blocks(model: DeepseekV4ForCausalLM) -> list[DeepseekV4Block]:
     return [cast(DeepseekV4Block, layer) for layer in model.layers]
 
 
-def random_experts(e: int, n: int, k: int, device: torch.device, chunk: int = 16) -> QuantizedWeight:
-    """MXFP4 ``[e, n, k]`` of weights ~ N(0, 1/k), quantized a few experts at a time."""
-    data = torch.empty(e, n, k // 2, dtype=torch.uint8, device=device)
-    scale = torch.empty(e, n, k // 32, dtype=torch.uint8, device=device)
-    for lo in range(0, e, chunk):
-        q = quantize_mxfp4(torch.randn(min(chunk, e - lo), n, k, device=device) / math.sqrt(k))
-        assert q.scale is not None
-        data[lo:lo + chunk], scale[lo:lo + chunk] = q.data, q.scale
-    return QuantizedWeight("mxfp4", data, scale)
-
-
 @torch.no_grad()
 def build_model(config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0
                 ) -> DeepseekV4ForCausalLM:
-    torch.manual_seed(seed)
+    """The model with native MXFP4 experts and random weights (``cluster.models.dummy``: the
+    weights a ``load_format="dummy"`` replica serves)."""
     ops = resolve_ops(kernel_components(config), device)
-    args = DeepseekV4Args.from_hf(config)
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(args, dtype, ops, native_experts=True)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith(("hc_attn_scale", "hc_ffn_scale", "hc_head_scale")):
-            p.fill_(1.0)
-        elif p.dim() >= 2:
-            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-        else:  # sinks, gate biases, compressor position biases, hyper-connection biases
-            p.zero_()
-    for name, b in model.named_buffers():
-        if name.endswith("tid2eid"):
-            b.copy_(torch.rand(b.shape[0], args.n_routed_experts, device=device).argsort(-1)[:, :b.shape[1]])
-    e, i, h = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
-    for layer in blocks(model):
-        layer.ffn.experts.w13 = random_experts(e, 2 * i, h, device)
-        layer.ffn.experts.w2 = random_experts(e, h, i, device)
+        model = DeepseekV4ForCausalLM(DeepseekV4Args.from_hf(config), dtype, ops, native_experts=True)
+    init_dummy_weights(model, config, seed)
     return model.eval()
 
 

@@ -2,7 +2,7 @@
 # One call on the GPU machine: unpack the dependency bundle (Ray, NIXL, FastAPI; see the device
 # tool's device-bundle), then run the named parts, each bounded, logging under $OUT.
 #   bash bench/gpu_session.sh tests kernels engine
-#   bash bench/gpu_session.sh transfer2 serve2      # issue 6, on nvidia-h200-x2 (serve8 on x8)
+#   bash bench/gpu_session.sh transfer2 serve2 serve2v4   # issue 6, on nvidia-h200-x2 (serve8 on x8)
 # Results record PD_BENCH_COMMIT as their commit when it is set (the GPU machine's copy of the
 # tree may carry a stale git HEAD): PD_BENCH_COMMIT=<hash of the committed tree> bash bench/gpu_session.sh ...
 set -u
@@ -27,6 +27,7 @@ for part in "$@"; do
     serve) timeout 330 python3 bench/serve_gpu.py --out "$OUT/serve-h200-$date.json" 2>&1 | tail -20 ;;
     transfer2) timeout 200 python3 bench/transfer.py --devices 0,1 --out "$OUT/transfer-h200x2-$date.json" 2>&1 | tail -30 ;;
     serve2) timeout 500 python3 bench/serve_gpu.py --gpus 2 --kv-transfer ipc --out "$OUT/serve-h200x2-$date.json" 2>&1 | tail -20 ;;
+    serve2v4) timeout 560 python3 bench/serve_gpu.py --model v4 --gpus 2 --kv-transfer ipc --out "$OUT/serve-v4-h200x2-$date.json" 2>&1 | tail -20 ;;
     serve8) timeout 560 python3 bench/serve_gpu.py --gpus 8 --kv-transfer ipc --out "$OUT/serve-h200x8-$date.json" 2>&1 | tail -20 ;;
     v4tests) timeout 300 python3 -m pytest -q -m gpu tests/models/test_deepseek_v4_ops.py tests/kernels/test_deepseek_v4_kernels.py -p no:cacheprovider 2>&1 | tail -15 ;;
     lineartests) timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_linear.py -p no:cacheprovider 2>&1 | tail -15 ;;

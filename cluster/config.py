@@ -34,9 +34,14 @@ class ModelConfig:
     #: Use CUDA graphs for decode batches on CUDA.
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    #: "auto": weights from the checkpoint; "dummy": random weights at the config's shapes and
+    #: formats (benchmarks at real widths; the directory needs config.json and, to serve text,
+    #: a tokenizer, but no weights).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
+        _choice("load_format", self.load_format, ("auto", "dummy"))
         _positive("max_model_len", self.max_model_len, allow_none=True)
         if self.tensor_parallel_size != 1:
             raise UnsupportedSettingError(

@@ -74,7 +74,8 @@ class LLMEngine:
         torch.manual_seed(model_config.seed)
         self.loaded = loaded or load_model(model_config.model, self.device, self.dtype, {
             "attention_backend": model_config.attention_backend, "moe_backend": model_config.moe_backend,
-            "draft_moe_backend": model_config.draft_moe_backend})
+            "draft_moe_backend": model_config.draft_moe_backend}, load_format=model_config.load_format,
+            seed=model_config.seed)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         for choice in self.backends():
@@ -126,6 +127,14 @@ class LLMEngine:
         if cache.num_kv_blocks is not None:
             planned = [cache.num_kv_blocks if s.kind in ("full", "compressed") else n
                        for s, n in zip(self.kv_specs, planned)]
+        short = [(s, n) for s, n in zip(self.kv_specs, planned) if n < 2]
+        if short:  # one block is the null block: a pool needs another to hold anything
+            param = "num_kv_blocks" if cache.num_kv_blocks is not None else "kv_cache_memory_bytes"
+            groups = ", ".join(f"{s.name} ({s.bytes_per_block} bytes a block)" for s, _ in short)
+            raise UnsupportedSettingError(
+                f"the KV cache ({memory} bytes, {param}) leaves no block for {groups} once the window "
+                f"and state groups of max_num_seqs={sched.max_num_seqs} sequences are set aside; give it "
+                f"more memory or lower max_num_seqs / max_num_batched_tokens", param=param)
         self.num_blocks = planned
         self.kv = KVCacheManager(self.kv_specs, planned, cache.block_size, cache.enable_prefix_caching)
         logger.info("KV cache: %s", ", ".join(f"{s.name}: {n} blocks of {s.tokens_per_block} tokens"

@@ -122,10 +122,14 @@ def load_tokenizer(model: str) -> tuple[Tokenizer | None, dict[str, Any]]:
 
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype,
-               kernel_overrides: dict[str, str] | None = None) -> LoadedModel:
+               kernel_overrides: dict[str, str] | None = None, *, load_format: str = "auto",
+               seed: int = 0) -> LoadedModel:
     """Load a model onto ``device``, with the kernels ``kernels.dispatch`` chooses for it there
-    (``kernel_overrides``: attention_backend, moe_backend, draft_moe_backend)."""
+    (``kernel_overrides``: attention_backend, moe_backend, draft_moe_backend). ``load_format=
+    "dummy"``: random weights (:mod:`cluster.models.dummy`) instead of the checkpoint's."""
     path = resolve_model_path(model)
+    if load_format == "dummy":
+        return _load_dummy(path, device, dtype, kernel_overrides, seed)
     if os.path.isfile(path) and path.endswith(".gguf"):
         from cluster.models.gguf import read_gguf
         checkpoint = read_gguf(path)
@@ -148,3 +152,18 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
         load_into(net, weights, net.checkpoint_targets(), ignore=net.ignored_tensors, total=total, desc=desc)
     net.eval()
     return LoadedModel(net, tokenizer, config, path)
+
+
+def _load_dummy(path: str, device: torch.device, dtype: torch.dtype, kernel_overrides: dict[str, str] | None,
+                seed: int) -> LoadedModel:
+    from cluster.models.dummy import init_dummy_weights
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"load_format=dummy needs a directory with config.json, got {path!r}", param="model")
+    config = read_config(path)
+    family = BUILDERS[architecture_of(config)]
+    ops = resolve_ops(family.components(config), device, **(kernel_overrides or {}))
+    with torch.device(device):
+        net = family.build(config, dtype, ops)
+    init_dummy_weights(net, config, seed)
+    tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    return LoadedModel(net.eval(), tokenizer, config, path)

@@ -26,7 +26,9 @@ def test_strings_are_coerced_to_field_types():
 def test_every_setting_is_reachable():
     assert {"model", "dtype", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
             "kv_transfer", "kv_transfer_timeout_s", "local_prefill_threshold", "prefill_replicas",
-            "decode_replicas", "attention_backend", "moe_backend", "draft_moe_backend"} <= set(FLAT_FIELDS)
+            "decode_replicas", "attention_backend", "moe_backend", "draft_moe_backend",
+            "load_format"} <= set(FLAT_FIELDS)
+    assert parse_cluster_args({"load_format": "dummy"}, use_env=False).model.load_format == "dummy"
 
 
 def test_environment_fills_missing_settings(monkeypatch):
@@ -44,6 +46,7 @@ def test_environment_fills_missing_settings(monkeypatch):
     ({"dtype": "float64"}, "dtype"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"load_format": "random"}, "load_format"),
 ])
 def test_invalid_settings_are_refused_by_name(args, name):
     with pytest.raises(UnsupportedSettingError, match=name):
