@@ -140,14 +140,18 @@ def _decode_split_kernel(
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
+#: Counters replaced by larger ones stay allocated: CUDA graphs captured with them keep using them.
+_RETIRED: list[torch.Tensor] = []
 
 
 def _tickets(device: torch.device, needed: int) -> torch.Tensor:
     """The device's zeroed ticket counters, at least ``needed`` of them. Kernels leave them at zero;
-    a larger set is allocated (outside graph capture: the engine warms every batch size up eagerly
-    before capturing) only when a launch needs more."""
+    a larger set is allocated only when a launch needs more (split launches have fewer programs
+    than about two per SM, so the first 4,096 serve every engine batch)."""
     t = _TICKETS.get(device)
     if t is None or t.numel() < needed:
+        if t is not None:
+            _RETIRED.append(t)
         t = torch.zeros(max(4096, triton.next_power_of_2(needed)), dtype=torch.int32, device=device)
         _TICKETS[device] = t
     return t
