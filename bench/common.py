@@ -3,6 +3,7 @@ robust statistics."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -46,3 +47,41 @@ def _git(*args: str) -> str:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    """Write a benchmark's JSON (creating its folder) and say where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+
+
+def graph_seconds_per_call(call: Any, calls: int, replays: int = 20, skip: int = 0) -> float:
+    """Seconds per call of ``call(i)`` for ``i < calls``, run as the engine runs kernels: warmed up
+    eagerly on a side stream (compiles, autotunes), captured into one CUDA graph of the ``calls``
+    calls, replayed once, then timed over ``replays`` replays (median after the first ``skip``)."""
+    import torch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del graph
+    return median(times[skip:]) / calls

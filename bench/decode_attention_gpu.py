@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -19,8 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import environment, median  # noqa: E402
-from bench.linear_gpu import copy_bandwidth  # noqa: E402
+from bench.common import environment, graph_seconds_per_call, write_result  # noqa: E402
+from bench.engine_gpu import copy_bandwidth  # noqa: E402
 from kernels import triton_attention_decode as dec  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -64,25 +63,7 @@ def main() -> None:
                     dec.paged_decode_attention(q, k, v, tables[i], lens, max_len, 0.088, num_splits=s, out=out,
                                                config=c)
                 try:
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        for i in range(args.layers):
-                            launch(i)
-                    torch.cuda.current_stream().wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        for i in range(args.layers):
-                            launch(i)
-                    times = []
-                    for _ in range(15):
-                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        e0.record()
-                        graph.replay()
-                        e1.record()
-                        e1.synchronize()
-                        times.append(e0.elapsed_time(e1) * 1000 / args.layers)
-                    t = median(times[3:])
+                    t = 1e6 * graph_seconds_per_call(launch, args.layers, replays=15, skip=3)
                     row["timings"].append({**cfg, "splits": splits, "us": t, "pct_of_roofline": 100 * roof * 1e6 / t})
                 except Exception as exc:  # noqa: BLE001
                     row["timings"].append({**cfg, "splits": splits, "error": repr(exc)[:300]})
@@ -96,10 +77,7 @@ def main() -> None:
         del k, v
         torch.cuda.empty_cache()
     result["total_s"] = time.time() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", args.out)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

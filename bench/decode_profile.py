@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import environment, median  # noqa: E402
+from bench.common import environment, median, write_result  # noqa: E402
 from bench.engine_gpu import (QWEN3_8B, TINY, add_random_requests, copy_bandwidth, make_engine,  # noqa: E402
                               random_model, weight_bytes)
 
@@ -93,10 +93,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in r.items() if k != "kernels"}))
         for k in r["kernels"][:25]:
             print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:6.1f}  {k['kernel']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", args.out)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -33,7 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import environment, median  # noqa: E402
+from bench.common import environment, graph_seconds_per_call, write_result  # noqa: E402
+from bench.engine_gpu import copy_bandwidth  # noqa: E402
 from kernels.triton_activation import silu_and_mul_triton  # noqa: E402
 from kernels.triton_linear import skinny_linear  # noqa: E402
 
@@ -51,47 +51,6 @@ def sweep_configs() -> list[dict[str, int]]:
                     continue
                 out.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
     return out
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    return 2 * src.numel() * 2 / median(times[5:])
-
-
-def graph_time(fn_per_copy, copies: int, replays: int = 20) -> float:
-    """Seconds per call: a graph of ``copies`` calls (one per weight copy), replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):  # warm up (compiles, autotunes) outside the capture
-            fn_per_copy(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn_per_copy(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    del graph
-    return median(times) / copies
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -132,12 +91,12 @@ def main() -> None:
                                    "roofline_us": roof * 1e6}
             try:
                 if gated:
-                    cublas = graph_time(lambda i: silu_and_mul_triton(F.linear(x, ws[i])), copies)
+                    cublas = graph_seconds_per_call(lambda i: silu_and_mul_triton(F.linear(x, ws[i])), copies)
                 else:
-                    cublas = graph_time(lambda i: F.linear(x, ws[i]), copies)
+                    cublas = graph_seconds_per_call(lambda i: F.linear(x, ws[i]), copies)
                 row["cublas_us"] = cublas * 1e6
                 row["cublas_pct"] = 100 * roof / cublas
-                auto = graph_time(lambda i: skinny_linear(x, ws[i], gated=gated), copies)
+                auto = graph_seconds_per_call(lambda i: skinny_linear(x, ws[i], gated=gated), copies)
                 row["triton_auto_us"] = auto * 1e6
                 row["triton_auto_pct"] = 100 * roof / auto
                 row["triton_auto_err"] = rel_err(skinny_linear(x, ws[0], gated=gated), ref)
@@ -148,7 +107,7 @@ def main() -> None:
                     try:
                         out = skinny_linear(x, ws[0], gated=gated, config=cfg)
                         err = rel_err(out, ref)
-                        t = graph_time(lambda i, c=cfg: skinny_linear(x, ws[i], gated=gated, config=c),
+                        t = graph_seconds_per_call(lambda i, c=cfg: skinny_linear(x, ws[i], gated=gated, config=c),
                                        copies, replays=10)
                     except Exception as exc:  # noqa: BLE001 - a config that does not compile
                         sweep.append({**cfg, "error": repr(exc)[:200]})
@@ -168,10 +127,7 @@ def main() -> None:
         del ws
         torch.cuda.empty_cache()
     result["total_s"] = time.time() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print("wrote", args.out)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

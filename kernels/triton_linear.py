@@ -18,30 +18,17 @@ Above :data:`MAX_ROWS` rows the product is compute-shaped and :func:`linear_trit
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels.triton_activation import silu_and_mul_triton
-from kernels.triton_support import INTERPRET, autotune_configs
+from kernels.triton_support import INTERPRET, autotune_configs, shared_memory_per_block
 
 #: Rows of ``x`` up to which the Triton kernel runs (decode batches); larger ones go to cuBLAS
 #: (on an H200 cuBLAS is as fast or faster from 32 rows: bench/results/linear-h200-*.json).
 MAX_ROWS = 16
-#: Shared memory a program may stage without a GPU to ask (sm_90's 227 KB, the most of any target).
-SHARED_LIMIT = 227 * 1024
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_limit() -> int:
-    """The current GPU's shared memory per block (99 KB on sm_120, 227 KB on sm_90)."""
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
-    return SHARED_LIMIT
 
 
 def _configs() -> list[triton.Config]:
@@ -58,7 +45,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
     w_tiles = 2 if kwargs.get("GATED", named_args.get("GATED", False)) else 1
     kept = [c for c in configs
-            if (c.num_stages - 1) * (bm + w_tiles * c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 2 <= _shared_limit()]
+            if (c.num_stages - 1) * (bm + w_tiles * c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 2 <= shared_memory_per_block()]
     return kept or configs[:1]
 
 

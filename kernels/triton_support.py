@@ -1,6 +1,6 @@
 """What every Triton kernel module shares: whether kernels run under the CPU interpreter
 (``TRITON_INTERPRET=1``), autotune config lists that collapse to one config there, and device
-facts (multiprocessor count) used by launch heuristics.
+facts (multiprocessor count, shared memory per block) used by launch heuristics.
 
 Under the interpreter, bf16 arithmetic and ``tl.dot`` on bf16 are unreliable, so kernels take an
 ``UPCAST`` constexpr (``INTERPRET``) and compute in float32 when it is set. The environment
@@ -29,6 +29,16 @@ def autotune_configs(configs: list[triton.Config], interpreted: triton.Config) -
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_per_block() -> int:
+    """Shared memory a block may use on the current GPU (99 KB on sm_120, 227 KB on sm_90); without
+    a GPU, sm_90's, the most of any target (configs are then only compiled, never launched)."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
+    return 227 * 1024
 
 
 def num_sms(device: torch.device) -> int:
