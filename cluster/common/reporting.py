@@ -12,6 +12,8 @@ from cluster.common.messages import ReplicaStats
 
 logger = logging.getLogger(__name__)
 REPORT_PERIOD_S = 0.5
+#: A report not answered in this long is abandoned (the next one is sent on schedule).
+_REPORT_TIMEOUT_S = 5.0
 
 
 def replica_stats(role: str, replica_id: str, metrics: dict[str, float], transfer: Any,
@@ -38,9 +40,21 @@ def routing_stats(stats: ReplicaStats) -> dict[str, Any]:
 async def report_forever(state: Any, stats: Callable[[], Awaitable[ReplicaStats]],
                          backends: Callable[[], list[dict[str, Any]]], period_s: float = REPORT_PERIOD_S) -> None:
     """Push this replica's stats and kernel table to ClusterState every ``period_s``, for ever."""
+    failing = False
     while state is not None:
         try:
-            await state.report.remote(await stats(), backends())
-        except Exception:  # noqa: BLE001 - metrics must never take the replica down
-            logger.debug("stats report failed", exc_info=True)
+            await asyncio.wait_for(_report_once(state, stats, backends), timeout=_REPORT_TIMEOUT_S)
+            failing = False
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - metrics must never take the replica down
+            task = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+                raise  # this loop itself is being stopped
+            if not failing:  # once per streak, so a dead engine or state replica shows in the log
+                logger.warning("stats report failed: %r", exc)
+            failing = True
         await asyncio.sleep(period_s)
+
+
+async def _report_once(state: Any, stats: Callable[[], Awaitable[ReplicaStats]],
+                       backends: Callable[[], list[dict[str, Any]]]) -> None:
+    await state.report.remote(await stats(), backends())

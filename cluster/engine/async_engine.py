@@ -4,7 +4,9 @@ Every engine call runs in that thread between steps (``await run(fn)``), so the 
 single-threaded. Outputs reach callers through per-request asyncio queues. An optional
 ``post_step`` hook runs in the engine thread right after each step, before outputs are
 delivered (the prefill role pushes the step's KV blocks there, while they are certainly valid).
-If the loop dies, every waiting caller gets EngineDeadError; nothing hangs."""
+If the loop dies, every waiting caller gets EngineDeadError; nothing hangs. A caller cancelled
+before the engine thread reaches its command (a client disconnect) has the command skipped; one
+cancelled while its request was being added has that request aborted."""
 from __future__ import annotations
 
 import asyncio
@@ -87,6 +89,9 @@ class AsyncEngine:
             await self.run(lambda e: e.add_group(group))
         except BaseException:
             self.close_stream(group.request_id)
+            # Cancelled while the engine thread was adding it: the request exists there now and
+            # nobody reads it (aborting an unknown request is a no-op).
+            self.submit(lambda e: e.abort_request(group.request_id))
             raise
         async for out in self.read_stream(group.request_id, q):
             yield out
@@ -124,16 +129,19 @@ class AsyncEngine:
             if item is _STOP:
                 return False
             fn, future = item
-            try:
-                result = fn(self.engine)
-            except BaseException as exc:  # noqa: BLE001 - a failed command fails its caller only
-                if future is not None:
-                    future.set_exception(exc)
-                elif not isinstance(exc, ClusterError):
-                    logger.exception("engine command failed")
-            else:
-                if future is not None:
-                    future.set_result(result)
+            # A caller cancelled while its command waited here is gone: skip the command (and
+            # never complete its cancelled future, which would raise in this thread).
+            if future is None or future.set_running_or_notify_cancel():
+                try:
+                    result = fn(self.engine)
+                except BaseException as exc:  # noqa: BLE001 - a failed command fails its caller only
+                    if future is not None:
+                        future.set_exception(exc)
+                    elif not isinstance(exc, ClusterError):
+                        logger.exception("engine command failed")
+                else:
+                    if future is not None:
+                        future.set_result(result)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -158,5 +166,5 @@ class AsyncEngine:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if item is not _STOP and item[1] is not None:
+            if item is not _STOP and item[1] is not None and item[1].set_running_or_notify_cancel():
                 item[1].set_exception(error)

@@ -1,0 +1,91 @@
+"""AsyncEngine under callers that go away: a call cancelled while it waits for the engine thread
+is skipped there (and never kills the loop by completing a cancelled future), and a request whose
+caller is cancelled while it is being added is aborted rather than left running for nobody."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+from cluster.engine.async_engine import AsyncEngine
+
+
+class FakeEngine:
+    """Just what AsyncEngine's loop touches: no work, commands only."""
+
+    def __init__(self) -> None:
+        self.scheduler = SimpleNamespace(has_work=lambda: False)
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.add_gate: threading.Event | None = None
+
+    def take_pending(self) -> list:
+        return []
+
+    def has_work(self) -> bool:
+        return False
+
+    def add_group(self, group) -> None:
+        if self.add_gate is not None:
+            self.add_gate.wait(5)
+        self.added.append(group.request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_call_cancelled_while_queued_is_skipped_and_the_loop_lives():
+    engine = FakeEngine()
+    ae = AsyncEngine(engine)  # type: ignore[arg-type]
+    gate, ran = threading.Event(), []
+
+    async def main() -> None:
+        blocker = asyncio.ensure_future(ae.run(lambda e: gate.wait(5)))  # holds the engine thread
+        await asyncio.sleep(0.05)
+        victims = [asyncio.ensure_future(ae.run(lambda e, i=i: ran.append(i))) for i in range(3)]
+        await asyncio.sleep(0.05)
+        for v in victims:
+            v.cancel()
+        gate.set()
+        assert await blocker is True
+        assert await asyncio.wait_for(ae.run(lambda e: 42), 5) == 42
+
+    try:
+        asyncio.run(main())
+        assert ae.dead is None
+        assert ran == []  # their callers were gone before the engine thread reached them
+    finally:
+        ae.shutdown()
+
+
+def test_a_request_whose_caller_is_cancelled_while_being_added_is_aborted():
+    engine = FakeEngine()
+    engine.add_gate = threading.Event()
+    ae = AsyncEngine(engine)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async def consume() -> None:
+            async for _ in ae.generate(SimpleNamespace(request_id="r1")):  # type: ignore[arg-type]
+                pass
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)  # add_group is now running in the engine thread
+        task.cancel()
+        await asyncio.sleep(0.05)
+        engine.add_gate.set()
+        await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+        wait_for(lambda: engine.aborted == ["r1"])
+        assert engine.added == ["r1"] and ae.dead is None
+        assert "r1" not in ae._streams
+    finally:
+        ae.shutdown()
