@@ -119,3 +119,42 @@ def test_conditional_disaggregation_prefills_short_prompts_locally(model_dir):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_callers_cancelled_at_any_moment_lose_nothing(model_dir):
+    """Decode callers cancelled at random moments (before their first engine call is reached,
+    while reserving, during the remote prefill, mid-decode) leave both engines alive with every
+    block back, and later requests still match colocated output."""
+    import random
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = mixed_prompts(300, (3, 9, 17, 26, 33, 41), seed=12)
+    expected = [o.outputs[0].token_ids for o in LLM(model_dir, block_size=4).generate(prompts, params)]
+    prefill, decode = make_pair(model_dir, remote_kv_grace_s=0.1)
+    rng = random.Random(3)
+    try:
+        async def go():
+            async def cancelled(i: int) -> None:
+                task = asyncio.ensure_future(collect(decode, GenerateRequest(f"c{i}", prompts[i % len(prompts)], params)))
+                await asyncio.sleep(rng.choice([0.0, 0.0, 0.001, 0.005, 0.02, 0.05]))
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(*(cancelled(i) for i in range(48)))
+            await asyncio.sleep(0.3)  # grace period of abandoned reservations
+            for _ in range(3):
+                await decode.engine.run(lambda e: e.step() if e.has_work() else None)
+            return await run_all(decode, prompts, params)
+        got = asyncio.run(go())
+        assert prefill.engine.dead is None and decode.engine.dead is None
+        assert got == expected
+
+        async def idle():
+            for _ in range(100):
+                if decode.engine.engine.kv.usage == 0.0 and prefill.engine.engine.kv.usage == 0.0:
+                    return
+                await asyncio.sleep(0.05)
+        asyncio.run(idle())
+        assert decode.engine.engine.kv.usage == 0.0 and prefill.engine.engine.kv.usage == 0.0
+        assert not decode.engine.engine.scheduler.has_work() and not prefill.engine.engine.scheduler.has_work()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
