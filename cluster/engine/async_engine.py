@@ -153,14 +153,22 @@ class AsyncEngine:
         for target, out in targets:
             if target is not None:
                 loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, out)
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, out)
+                except RuntimeError:  # the caller's event loop is closed: nobody will read this
+                    self.close_stream(out.request_id)
+                    if not out.finished:
+                        self.engine.abort_request(out.request_id)
 
     def _fail_everyone(self, exc: BaseException) -> None:
         error = EngineDeadError(f"engine loop stopped: {exc}")
         with self._lock:
             streams = list(self._streams.values())
         for loop, q in streams:
-            loop.call_soon_threadsafe(q.put_nowait, error)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, error)
+            except RuntimeError:  # that caller's event loop is closed
+                pass
         while True:
             try:
                 item = self._commands.get_nowait()

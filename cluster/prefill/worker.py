@@ -101,16 +101,18 @@ class PrefillWorker:
             end = computed_before + num_new
             if request is None or end <= job.written_upto:
                 continue
-            copies = plan_block_copies(engine.kv_specs, engine.kv.block_tables(rid),
-                                       job.prefill.dest_block_tables, job.written_upto, end)
             last = end >= request.num_prompt_tokens
             start = time.perf_counter()
             try:
+                copies = plan_block_copies(engine.kv_specs, engine.kv.block_tables(rid),
+                                           job.prefill.dest_block_tables, job.written_upto, end)
                 job.bytes_sent += self.backend.send(job.prefill.dest, rid, copies, last)
-            except KVTransferError as exc:
-                logger.warning("KV write for %s failed: %s", rid, exc)
-                job.error = exc
-                engine.abort_request(rid, error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - one request's bad write fails it, not the engine loop
+                error = exc if isinstance(exc, KVTransferError) else KVTransferError(
+                    f"KV write for {rid} failed: {exc!r}")
+                logger.warning("KV write for %s failed: %s", rid, error)
+                job.error = error
+                engine.abort_request(rid, error=str(error))
                 continue
             job.transfer_s += time.perf_counter() - start
             job.written_upto = end

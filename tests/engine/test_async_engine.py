@@ -1,6 +1,7 @@
 """AsyncEngine under callers that go away: a call cancelled while it waits for the engine thread
-is skipped there (and never kills the loop by completing a cancelled future), and a request whose
-caller is cancelled while it is being added is aborted rather than left running for nobody."""
+is skipped there (and never kills the loop by completing a cancelled future), a request whose
+caller is cancelled while it is being added is aborted rather than left running for nobody, and
+outputs for a caller whose event loop has closed abort that request instead of the loop."""
 from __future__ import annotations
 
 import asyncio
@@ -19,9 +20,11 @@ class FakeEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.add_gate: threading.Event | None = None
+        self.pending: list = []
 
     def take_pending(self) -> list:
-        return []
+        out, self.pending = self.pending, []
+        return out
 
     def has_work(self) -> bool:
         return False
@@ -87,5 +90,24 @@ def test_a_request_whose_caller_is_cancelled_while_being_added_is_aborted():
         wait_for(lambda: engine.aborted == ["r1"])
         assert engine.added == ["r1"] and ae.dead is None
         assert "r1" not in ae._streams
+    finally:
+        ae.shutdown()
+
+
+def test_outputs_for_a_closed_event_loop_abort_their_request_only():
+    engine = FakeEngine()
+    ae = AsyncEngine(engine)  # type: ignore[arg-type]
+
+    async def register() -> None:
+        ae.open_stream("gone")
+    try:
+        asyncio.run(register())  # that loop is closed now, with the stream still registered
+        ae.submit(lambda e: e.pending.append(SimpleNamespace(request_id="gone", finished=False)))
+        wait_for(lambda: engine.aborted == ["gone"])
+        assert ae.dead is None and "gone" not in ae._streams
+
+        async def still_serving() -> int:
+            return await ae.run(lambda e: 7)
+        assert asyncio.run(still_serving()) == 7
     finally:
         ae.shutdown()

@@ -158,3 +158,26 @@ def test_callers_cancelled_at_any_moment_lose_nothing(model_dir):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_a_malformed_prefill_request_fails_alone(model_dir):
+    """A prefill request whose destination tables do not match the model's KV groups fails with
+    KVTransferError; the prefill engine lives on, frees its blocks, and serves the next request."""
+    from cluster.common.errors import KVTransferError
+    from cluster.common.messages import PrefillRequest
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = mixed_prompts(300, (13,), seed=5)[0]
+    expected = LLM(model_dir, block_size=4).generate([prompt], params)[0].outputs[0].token_ids
+    prefill, decode = make_pair(model_dir)
+    try:
+        async def go():
+            bad = PrefillRequest(GenerateRequest("bad", prompt, params), decode.backend.endpoint(),
+                                 dest_block_tables=[], transfer_key="bad-key")
+            with pytest.raises(KVTransferError, match="bad-key"):
+                await prefill.prefill(bad)
+            return await collect(decode, GenerateRequest("good", prompt, params))
+        assert asyncio.run(go()) == expected
+        assert prefill.engine.dead is None and prefill.engine.engine.kv.usage == 0.0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
