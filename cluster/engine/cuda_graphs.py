@@ -12,13 +12,21 @@ shape that depends on the step (the Triton attention path); the model declares t
 Filling the buffers never waits for the GPU: host values go through pinned memory (a copy from
 pageable memory would synchronise), so the engine can prepare and launch step N+1 while step N
 runs. A pipelined step's input tokens may still be on the device (sampled by the step in flight):
-``run`` takes them from there (``token_source``)."""
+``run`` takes them from there (``token_source``).
+
+``emulate=True`` (tests, on CPU): no capture; each "replay" runs the model on the static buffers,
+under :class:`GraphSafetyCheck`. That checks, without a GPU, what a captured graph relies on: the
+forward reads the step only from the buffers (the context's host lists hold the same placeholders
+as at capture), padding rows change nothing, and no op needs the host (a scalar read, ``tolist``,
+``nonzero``, boolean-mask indexing: each would synchronise, or fail capture)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.engine.batch import HostBatch, take_pending_tokens
@@ -35,9 +43,61 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+class GraphUnsafeError(RuntimeError):
+    """An op that a CUDA graph cannot hold ran in a forward meant to be captured."""
+
+
+#: Ops whose result or shape depends on tensor values read on the host.
+_HOST_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::nonzero_static", "aten::masked_select",
+             "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+             "aten::equal", "aten::is_nonzero"}
+
+
+class GraphSafetyCheck(TorchDispatchMode):
+    """Raises GraphUnsafeError on any op that reads tensor values on the host (and on
+    ``Tensor.tolist``, which dispatches nothing). Used by emulated graphs."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func._schema.name
+        if name in _HOST_OPS:
+            raise GraphUnsafeError(f"{name} reads device values on the host inside a decode graph")
+        if name == "aten::lift_fresh" and args[0].dim() > 0:  # scalars are kernel arguments: constants
+            raise GraphUnsafeError("a tensor made from host data inside a decode graph: a copy from "
+                                   "pageable memory, its values frozen at capture")
+        if name in ("aten::index", "aten::index_put", "aten::index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+            raise GraphUnsafeError(f"{name} with a boolean mask has a data-dependent shape")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> "GraphSafetyCheck":
+        self._tolist = torch.Tensor.tolist
+
+        def refuse(tensor: torch.Tensor) -> Any:
+            raise GraphUnsafeError("Tensor.tolist reads device values on the host inside a decode graph")
+        torch.Tensor.tolist = refuse  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+
+class _EmulatedGraph:
+    """Stands in for a captured graph on CPU: replaying runs the forward on the static buffers."""
+
+    def __init__(self, graphs: "DecodeGraphs", size: int) -> None:
+        self.graphs, self.size = graphs, size
+
+    def replay(self) -> None:
+        g = self.graphs
+        with GraphSafetyCheck():
+            g.outputs[self.size] = g.model(g.input_ids[:self.size], g._context(self.size))
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, specs: list[KVGroupSpec], kv_caches: list[torch.Tensor],
-                 device: torch.device, max_batch: int, max_model_len: int) -> None:
+                 device: torch.device, max_batch: int, max_model_len: int, emulate: bool = False) -> None:
+        self.emulate = emulate
         self.model = model
         self.specs = specs
         self.kv_caches = kv_caches
@@ -55,7 +115,7 @@ class DecodeGraphs:
                                  for spec in specs]
             self.slot_mappings = [torch.full((b,), -1, dtype=torch.int64)
                                   if spec.kind in ("full", "sliding_window") else None for spec in specs]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Any] = {}  # torch.cuda.CUDAGraph, or _EmulatedGraph
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _context(self, size: int) -> ForwardContext:
@@ -73,6 +133,9 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Warm every size up eagerly (compilation and autotuning stay outside the graphs), then
         capture from the largest size down, sharing one memory pool."""
+        if self.emulate:
+            self.graphs = {size: _EmulatedGraph(self, size) for size in self.sizes}
+            return
         for size in self.sizes:
             self.model(self.input_ids[:size], self._context(size))
         torch.cuda.synchronize(self.device)
@@ -83,7 +146,38 @@ class DecodeGraphs:
                 self.outputs[size] = self.model(self.input_ids[:size], self._context(size))
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
+        self.verify()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    @torch.inference_mode()
+    def verify(self, rtol: float = 2e-2) -> None:
+        """Replay the largest graph on inputs it was not captured with (random tokens, each row at
+        position 0 in the null block, so nothing outside that block is written and no earlier
+        state is read) and compare with the same forward run eagerly: a graph that froze a value
+        at capture gives other hidden states. Raises GraphUnsafeError (the runner then decodes
+        eagerly)."""
+        size = self.max_batch
+        vocab = int(getattr(self.model, "vocab_size", 2))
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        self.input_ids.copy_(torch.randint(0, vocab, (size,), generator=generator, device=self.device))
+        self.positions.zero_()
+        self.seq_lens.fill_(1)
+        for table in self.block_tables:
+            table.zero_()
+        for slots in self.slot_mappings:
+            if slots is not None:
+                slots.zero_()  # write the null block, as the eager run does
+        expected = self.model(self.input_ids[:size], self._context(size)).float()
+        self.graphs[size].replay()
+        got = self.outputs[size].float()
+        for slots in self.slot_mappings:
+            if slots is not None:
+                slots.fill_(-1)
+        scale = float(expected.abs().max())
+        error = float((got - expected).abs().max())
+        if not error <= rtol * max(scale, 1e-6):
+            raise GraphUnsafeError(f"decode graph of batch {size} replayed other hidden states than the "
+                                   f"eager forward (max error {error:.3g}, scale {scale:.3g})")
 
     def can_run(self, batch: HostBatch) -> bool:
         return bool(self.graphs) and batch.decode_only and batch.num_seqs <= self.max_batch
@@ -111,7 +205,10 @@ class DecodeGraphs:
         for t in tables:
             host[offset:offset + t.size] = t
             offset += t.size
-        staged = torch.from_numpy(host).pin_memory().to(self.device, non_blocking=True)
+        staged = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            staged = staged.pin_memory()
+        staged = staged.to(self.device, non_blocking=True)
         for j, (target, _, _) in enumerate(columns):
             if target is not None:
                 target[:size].copy_(staged[j * size:(j + 1) * size])

@@ -56,12 +56,23 @@ class ModelRunner:
         ops = getattr(model, "ops", None)
         self.sampler = Sampler(model.vocab_size, seed, device, *((ops.sampling,) if ops is not None else ()))
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> bool:
-        """Capture decode graphs when the device and the model's kernels allow it."""
-        if self.device.type != "cuda" or not getattr(self.model, "supports_cuda_graphs", False):
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int, emulate: bool = False) -> bool:
+        """Capture decode graphs when the device and the model's kernels allow it. A capture that
+        fails leaves the runner eager (logged). ``emulate``: graphs emulated on any device
+        (tests: see :class:`DecodeGraphs`)."""
+        if not getattr(self.model, "supports_cuda_graphs", False) or (self.device.type != "cuda" and not emulate):
             return False
-        self.graphs = DecodeGraphs(self.model, self.specs, self.kv_caches, self.device, max_batch, max_model_len)
-        self.graphs.capture()
+        graphs = DecodeGraphs(self.model, self.specs, self.kv_caches, self.device, max_batch, max_model_len,
+                              emulate=emulate)
+        try:
+            graphs.capture()
+        except Exception:  # noqa: BLE001 - a model that cannot be captured still serves, eagerly
+            if emulate:
+                raise
+            logger.warning("decode CUDA graph capture failed; decoding eagerly", exc_info=True)
+            torch.cuda.synchronize(self.device)
+            return False
+        self.graphs = graphs
         return True
 
     @torch.inference_mode()

@@ -115,6 +115,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         return list(self.ops.table)
 
     @property
+    def supports_cuda_graphs(self) -> bool:
+        """Decode steps can be captured when the sparse attention, the indexer and the routed
+        experts run the Triton kernels (batched, no host synchronisation; the references loop over
+        sequences and experts on the host). The rest of a decode step is batched torch."""
+        impl = {row["component"]: row["impl"] for row in self.ops.table}
+        return bool(impl) and all(impl.get(c, "triton") == "triton" for c in _GRAPH_COMPONENTS)
+
+    @property
     def vocab_size(self) -> int:
         return self.args.vocab_size
 
@@ -142,6 +150,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                      desc: str = "Loading weights") -> None:
         load_deepseek_v4_weights(self, weights, total=total, desc=desc)
 
+
+#: Components whose kernels decide whether a decode step can be captured in a CUDA graph.
+_GRAPH_COMPONENTS = ("v4_sparse_attention", "v4_indexer", "moe")
 
 #: The shared ops V4 calls (it has no use for the paged attention of the Llama family).
 _SHARED_OPS = ("rms_norm", "rotary", "silu_and_mul", "sampling")

@@ -92,6 +92,7 @@ class DeepseekV4Attention(nn.Module):
         slots = ctx.slot_mappings[window_group]
         assert slots is not None
         block_size = window_cache.shape[1]
+        slots = slots.clamp(min=0)  # a decode graph's padding rows (slot -1) write the null block
         window_cache[slots // block_size, slots % block_size] = kv.to(window_cache.dtype)
         compressed_cache = compressed_tables = topk = None
         if self.compressor is not None:
