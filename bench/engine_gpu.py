@@ -99,7 +99,8 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int
     between steps, so a pipelined engine (``async_scheduling``) overlaps as it does in serving;
     each ``step()`` still waits for the tokens it returns, so an interval is one step's work."""
     add_random_requests(engine, batch, prompt_len, new_tokens, tag, seed=batch)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     wall0 = time.perf_counter()
     returns, decoding = [], []
     while engine.has_work():

@@ -42,3 +42,20 @@ def test_tiny_run_writes_every_section(tmp_path, monkeypatch: pytest.MonkeyPatch
     decode = results["decode_b1"]["layers"]
     assert decode[0]["kv_bytes"] < decode[1]["kv_bytes"]  # CSA reads compressed entries and indexer keys too
     assert not any("ERROR" in line for line in bench.summary(results))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test (the GPU runs the real script)")
+def test_v4_engine_decode_bench_tiny_run(tmp_path) -> None:
+    """bench/v4_decode_gpu.py at toy widths on CPU (eager rows only): the engine decodes through
+    dummy weights and every row gets a step time and the bytes of its roofline."""
+    import bench.v4_decode_gpu as bench
+
+    out = tmp_path / "v4-decode.json"
+    result = bench.main(["--tiny", "--device", "cpu", "--out", str(out)])
+    assert not result["errors"], result["errors"]
+    assert json.loads(out.read_text())["rows"].keys() == {"eager-b1", "eager-b3"}
+    b1, b3 = result["rows"]["eager-b1"], result["rows"]["eager-b3"]
+    for row in (b1, b3):
+        assert row["step_ms"] > 0 and row["steps_timed"] > 0 and row["dense_bytes"] > 0
+    # a larger batch touches more experts and reads three times the KV
+    assert b3["routed_expert_bytes"] > b1["routed_expert_bytes"] and b3["kv_bytes"] == 3 * b1["kv_bytes"]
