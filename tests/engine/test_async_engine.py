@@ -20,6 +20,7 @@ class FakeEngine:
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.add_gate: threading.Event | None = None
+        self.adding = threading.Event()
         self.pending: list = []
 
     def take_pending(self) -> list:
@@ -30,6 +31,7 @@ class FakeEngine:
         return False
 
     def add_group(self, group) -> None:
+        self.adding.set()
         if self.add_gate is not None:
             self.add_gate.wait(5)
         self.added.append(group.request_id)
@@ -57,6 +59,8 @@ def test_a_call_cancelled_while_queued_is_skipped_and_the_loop_lives():
         await asyncio.sleep(0.05)
         for v in victims:
             v.cancel()
+        # the cancellations reach the engine's futures before the engine thread is released
+        await asyncio.gather(*victims, return_exceptions=True)
         gate.set()
         assert await blocker is True
         assert await asyncio.wait_for(ae.run(lambda e: 42), 5) == 42
@@ -79,11 +83,11 @@ def test_a_request_whose_caller_is_cancelled_while_being_added_is_aborted():
             async for _ in ae.generate(SimpleNamespace(request_id="r1")):  # type: ignore[arg-type]
                 pass
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.05)  # add_group is now running in the engine thread
+        while not engine.adding.is_set():  # until add_group runs in the engine thread
+            await asyncio.sleep(0.01)
         task.cancel()
-        await asyncio.sleep(0.05)
-        engine.add_gate.set()
         await asyncio.gather(task, return_exceptions=True)
+        engine.add_gate.set()
 
     try:
         asyncio.run(main())
