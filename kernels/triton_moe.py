@@ -35,7 +35,7 @@ from kernels.quant import QuantizedWeight
 from kernels.triton_moe_align import moe_align, moe_align_and_pair
 from kernels.triton_quant import (FMT_CODES, FP4_ACC_SCALE, fp4_paired_position, fp8_row_scale,
                                   load_weight_tile)
-from kernels.triton_support import INTERPRET, PORTABLE_DECODE, autotune_configs
+from kernels.triton_support import INTERPRET, PORTABLE_DECODE, autotune_configs, shared_memory_per_block
 
 
 def _gemm_configs() -> list[triton.Config]:
@@ -48,19 +48,41 @@ def _gemm_configs() -> list[triton.Config]:
             for n, k, w, s in shapes]
 
 
-def _prune(configs: list[triton.Config], named_args: dict[str, Any],
+#: Bytes of one weight element in shared memory, and elements per scale byte, by format code.
+_WEIGHT_BYTES = {0: 2.0, 1: 1.0, 2: 0.5, 3: 0.5}
+_ELEMENTS_PER_SCALE_BYTE = {0: 0, 1: 128 * 128 / 4, 2: 32, 3: 16}
+
+
+def shared_memory_estimate(config: triton.Config, block_m: int, fmt: int, weight_tiles: int,
+                           f32_dot: bool = False) -> int:
+    """Shared memory of a config: the pipeliner keeps ``num_stages - 1`` stages of the activation
+    tile and the weight tile(s) (two for w13: gate and up rows), with their scales."""
+    n, k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    per_scale = _ELEMENTS_PER_SCALE_BYTE[fmt]
+    weights = n * k * _WEIGHT_BYTES[fmt] + (n * k / per_scale if per_scale else 0)
+    stage = block_m * k * (4 if f32_dot else 2) + weight_tiles * weights
+    return int((config.num_stages - 1) * stage)
+
+
+def _prune(configs: list[triton.Config], named_args: dict[str, Any], weight_tiles: int = 1,
            **kwargs: Any) -> list[triton.Config]:
     """fp8_block tiles must sit inside one 128-column scale block, and 256-deep bf16 tiles cost
     too much shared memory: 256-deep K tiles only for fp4. Eight warps only for M blocks of 64
-    rows (prefill-sized). Float32 multiplies (``F32_DOT``: correctness paths, not tuned) take the
+    rows (prefill-sized). Configs over the device's shared memory per block (99 KB on sm_120)
+    are never tried. Float32 multiplies (``F32_DOT``: correctness paths, not tuned) take the
     first config left."""
     fmt, block_m = kwargs["FMT"], kwargs["BLOCK_M"]
+    limit = shared_memory_per_block()
     kept = [c for c in configs
             if not (fmt in (0, 1) and c.kwargs["BLOCK_K"] > 128)
-            and not (block_m < 64 and c.num_warps > 4)]
+            and not (block_m < 64 and c.num_warps > 4)
+            and shared_memory_estimate(c, block_m, fmt, weight_tiles, bool(kwargs.get("F32_DOT"))) <= limit]
     if kwargs.get("F32_DOT"):
         kept = kept[:1]
     return kept or configs[:1]
+
+
+_prune_w13 = functools.partial(_prune, weight_tiles=2)
 
 
 def _bench_config(fn: Any, quantiles: Any) -> Any:
@@ -118,7 +140,7 @@ def _fp4_out_scale(gs_ptr, expert, stride_gs, FMT: tl.constexpr):
 
 
 @triton.autotune(configs=autotune_configs(_gemm_configs(), _INTERPRETED), key=_KEY,
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_config)
+                 prune_configs_by={"early_config_prune": _prune_w13}, do_bench=_bench_config)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _w13_swiglu_kernel(

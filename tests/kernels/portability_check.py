@@ -4,10 +4,12 @@ MoE kernels are also built for sm_89 (hardware fp8 decode) and, for MXFP4, sm_80
 
 Run as a script in a process without ``TRITON_INTERPRET`` (test_portability.py does), or by hand:
 ``python -m tests.kernels.portability_check``. Arguments are ``meta`` tensors: only dtypes and
-alignment matter. Each autotuned kernel is compiled with the config that needs the least shared
-memory (the one sm_120 can always fall back on) and, on sm_90, also with the largest."""
+alignment matter. An autotuned kernel is compiled on sm_120 with every config its autotuner would
+try there (pruned against sm_120's 99 KB, as on that device), on sm_90 with the smallest and the
+largest."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tests.kernels.aot import compile_for
+from tests.kernels.aot import SM120_SHARED_LIMIT, compile_for
 
 ARCHS = [(9, 0), (12, 0)]
 
@@ -161,18 +163,36 @@ def _moe_cases(triton_moe: Any) -> Iterator[tuple[str, Any, tuple[Any, ...], dic
            dict(TOP_K=6, BLOCK=1024, num_warps=4))
 
 
-def _configs(kernel: Any, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
-    """Launch options to try: none for plain kernels; for autotuned ones the surviving configs
-    (after the kernel's own pruning), smallest tiles first."""
+@contextlib.contextmanager
+def _device_shared_memory(arch: tuple[int, int]) -> Iterator[None]:
+    """Kernel modules that prune configs by the device's shared memory see ``arch``'s."""
+    from kernels import triton_linear, triton_moe
+    limit = SM120_SHARED_LIMIT if arch == (12, 0) else 227 * 1024
+    saved = [(m, m.shared_memory_per_block) for m in (triton_linear, triton_moe)]
+    for module, _ in saved:
+        module.shared_memory_per_block = lambda: limit  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module, original in saved:
+            module.shared_memory_per_block = original  # type: ignore[attr-defined]
+
+
+def _configs(kernel: Any, kwargs: dict[str, Any], arch: tuple[int, int]) -> list[dict[str, Any]]:
+    """Launch options to try: none for plain kernels; for autotuned ones the configs surviving the
+    kernel's own pruning for ``arch``: all of them on sm_120, the smallest and largest elsewhere."""
     configs = getattr(kernel, "configs", None)
     if configs is None:
         return [{}]
     prune: Callable[..., Any] | None = getattr(kernel, "early_config_prune", None)
     if prune is not None:
-        configs = prune(configs, {}, **kwargs)
+        with _device_shared_memory(arch):
+            configs = prune(configs, {}, **kwargs)
     opts = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
     size = lambda o: o.get("num_stages", 1) * sum(v for k, v in o.items() if k.startswith("BLOCK"))
     opts.sort(key=size)
+    if arch == (12, 0):
+        return opts
     return [opts[0], opts[-1]] if len(opts) > 1 else opts
 
 
@@ -183,8 +203,7 @@ def main() -> None:
             continue
         archs = kwargs.pop("archs", ARCHS)
         for arch in archs:
-            configs = _configs(kernel, kwargs)
-            for opts in configs if arch == (9, 0) else configs[:1]:
+            for opts in _configs(kernel, kwargs, arch):
                 record: dict[str, Any] = {"kernel": name, "arch": f"sm_{arch[0]}{arch[1]}",
                                           "config": opts}
                 try:
