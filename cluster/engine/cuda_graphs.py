@@ -22,6 +22,7 @@ as at capture), padding rows change nothing, and no op needs the host (a scalar 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -70,9 +71,12 @@ class GraphSafetyCheck(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self) -> "GraphSafetyCheck":
-        self._tolist = torch.Tensor.tolist
+        self._tolist = original = torch.Tensor.tolist
+        owner = threading.get_ident()  # dispatch modes are per thread; so is this refusal
 
         def refuse(tensor: torch.Tensor) -> Any:
+            if threading.get_ident() != owner:
+                return original(tensor)
             raise GraphUnsafeError("Tensor.tolist reads device values on the host inside a decode graph")
         torch.Tensor.tolist = refuse  # type: ignore[method-assign]
         return super().__enter__()
