@@ -34,9 +34,9 @@ class KVStorage:
     def allocate(self, specs: list[KVGroupSpec], num_blocks: list[int], device: torch.device,
                  dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         if self.backend_name in ("ipc", "auto"):
-            from cluster.kv_transfer.ipc import IPCBackend
+            from cluster.kv_transfer.ipc import IPCBackend, segment_prefix
             tensors, self._segments = IPCBackend.allocate_shared(specs, num_blocks, device, dtypes,
-                                                                 prefix=f"pdc-{self.engine_id}")
+                                                                 prefix=segment_prefix(self.engine_id))
             return tensors
         return KVTransferBackend.allocate(specs, num_blocks, device, dtypes)
 

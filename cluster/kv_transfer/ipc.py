@@ -5,8 +5,12 @@ memory segments that the sender maps by name. Either way a send is a direct devi
 memory-to-memory) indexed copy, complete when ``send`` returns."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
+import re
+import socket
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -33,6 +37,56 @@ def _open_shm(name: str) -> shared_memory.SharedMemory:
         return shm
 
 
+#: Where POSIX shared memory segments appear as files (Linux).
+SHM_DIR = "/dev/shm"
+
+
+def _host_tag() -> str:
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def segment_prefix(engine_id: str) -> str:
+    """Names of an engine's KV segments: ``pdc-<host>-<pid>-<engine id>``, so that segments of a
+    process that died before unlinking them can be found and removed (see
+    :func:`remove_orphaned_segments`)."""
+    return f"pdc-{_host_tag()}-{os.getpid()}-{engine_id}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def remove_orphaned_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink KV segments made on this host by processes that no longer exist: a replica killed
+    (out of memory, SIGKILL) never unlinks its segments, which would otherwise hold their memory
+    until the machine restarts. Segments of live processes and of other hosts sharing the
+    directory are left alone. Returns the names removed."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    pattern = re.compile(rf"pdc-{_host_tag()}-(\d+)-.+")
+    removed = []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            continue
+        removed.append(name)
+    if removed:
+        logger.info("removed %d KV shared-memory segments of processes that are gone", len(removed))
+    return removed
+
+
 class IPCBackend(KVTransferBackend):
     name = "ipc"
 
@@ -50,6 +104,7 @@ class IPCBackend(KVTransferBackend):
         """CPU KV storage in named shared-memory segments (zeroed); CUDA storage as usual."""
         if device.type == "cuda":
             return cls.allocate(specs, num_blocks, device, dtypes), []
+        remove_orphaned_segments()
         tensors, segments = [], []
         for g, (spec, n, dt) in enumerate(zip(specs, num_blocks, dtypes)):
             shape = (n, spec.num_layers, *spec.block_shape)

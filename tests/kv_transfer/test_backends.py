@@ -4,6 +4,7 @@ receiver, and reports failures as KVTransferError."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 import uuid
 
@@ -156,3 +157,24 @@ def test_auto_uses_ipc_on_one_node_and_nixl_across_nodes():
     assert resolve_backend_name("auto") == "auto"
     with pytest.raises(Exception, match="not one of"):
         resolve_backend_name("pigeon")
+
+
+def test_segments_of_dead_processes_are_removed(tmp_path):
+    """KV segments left by a process that died without unlinking them (SIGKILL, out of memory)
+    are removed when the next engine on the host allocates; live processes' segments, other
+    hosts' and other files stay."""
+    import subprocess
+    import sys
+
+    from cluster.kv_transfer import ipc
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    host = ipc._host_tag()
+    names = {"orphan": f"pdc-{host}-{dead_pid}-decode-x-g0", "live": f"pdc-{host}-{os.getpid()}-prefill-y-g0",
+             "other_host": f"pdc-00000000-{dead_pid}-decode-z-g0", "unrelated": "something-else"}
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"kv")
+    assert ipc.remove_orphaned_segments(str(tmp_path)) == [names["orphan"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k != "orphan")
+    assert ipc.segment_prefix("decode-a").startswith(f"pdc-{host}-{os.getpid()}-")
