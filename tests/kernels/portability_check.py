@@ -82,43 +82,7 @@ def _cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
         yield (f"linear_m{rows}{'_gated' if gated else ''}", triton_linear._autotuned,
                (xl, w, w, xl, rows, 12288, 4096, 4096, 4096, 12288),
                dict(HAS_BIAS=False, GATED=gated, UPCAST=False, BLOCK_M=triton_linear.block_m(rows)))
-    yield from _v4_cases()
     yield from _moe_cases(triton_moe)
-
-
-def _v4_cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
-    """DeepSeek-V4-Flash widths: 64 heads of 512 over one shared K = V head, window 128, the
-    indexer's 64 heads of 128 choosing 512 compressed entries; a decode batch of 64 sequences."""
-    from kernels import triton_deepseek_v4_attention as v4a
-    from kernels import triton_deepseek_v4_indexer as v4i
-    i32, i64, f32 = torch.int32, torch.int64, torch.float32
-    tokens, heads, d, picks, log_b = 64, 64, 512, 512, 7
-    q, sinks = _t(tokens, heads, d), _t(heads, dtype=f32)
-    win, comp = _t(4096, 64, d), _t(4096, 16, d)  # 64-token blocks; 16 entries per block at ratio 4
-    tables, qsl, lens = _t(64, 320, dtype=i32), _t(65, dtype=i32), _t(64, dtype=i32)
-    topk = _t(tokens, picks, dtype=i64)
-    for splits in (1, 4):  # prefill-shaped (one program finishes) and decode split-KV
-        part = _t(tokens, heads, splits, d, dtype=f32)
-        lse = _t(tokens, heads, splits, dtype=f32)
-        yield (f"v4_sparse_attention_s{splits}", v4a._sparse_attention_kernel,
-               (q, win, tables, comp, tables, topk, sinks, qsl, lens, q, part, lse, 64, heads, 128, 4,
-                picks, 0.0625, 64, heads * d, d, 43 * 64 * d, d, 320, 21 * 16 * d, d, 320, picks,
-                heads * d, d),
-               dict(HEAD_DIM=d, BLOCK_D=d, WIN_PAGE=64, COMP_PAGE=16, HAS_COMP=True, HAS_TOPK=True,
-                    NUM_SPLITS=splits, LOG_B=log_b, UPCAST=False))
-    yield ("v4_attention_merge", v4a._merge_kernel,
-           (part, lse, sinks, q, heads, heads * d, d),
-           dict(HEAD_DIM=d, BLOCK_D=d, NUM_SPLITS=4, BLOCK_S=4, num_warps=4))
-    iq, iw, icache = _t(tokens, 64, 128), _t(tokens, 64), _t(4096, 16, 128)
-    scores = _t(tokens, 8192, dtype=f32)
-    yield ("v4_indexer_scores", v4i._indexer_scores_kernel,
-           (iq, iw, icache, tables, qsl, lens, scores, 0, 64, 64, 4, 0.0625, 64, 64 * 128, 128, 64,
-            21 * 16 * 128, 128, 320, 8192),
-           dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=64, PAGE=16, NUM_SPLITS=4, LOG_B=log_b, UPCAST=False))
-    for one_tile in (True, False):  # rows held in registers; rows longer than a tile
-        yield (f"v4_indexer_topk{'' if one_tile else '_tiled'}", v4i._topk_kernel,
-               (scores, topk, qsl, lens, 0, 64, 4, picks, 8192, picks),
-               dict(LOG_B=log_b, BLOCK=v4i._TOPK_TILE, ONE_TILE=one_tile, num_warps=8))
 
 
 def _moe_cases(triton_moe: Any) -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
