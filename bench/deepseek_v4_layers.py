@@ -175,7 +175,7 @@ def expert_bytes(w: Any) -> int:
 
 
 def layer_cost(args: DeepseekV4Args, kind: str, seq_lens: list[int], q_lens: list[int],
-               experts_touched: int, per_expert: int, dense: tuple[int, int]) -> dict[str, float]:
+               experts_touched: float, per_expert: int, dense: tuple[int, int]) -> dict[str, float]:
     """Bytes and FLOPs one layer must move and compute for this step (module docstring)."""
     tokens = sum(q_lens)
     ratio = args.ratio(kind)

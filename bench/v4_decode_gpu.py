@@ -33,12 +33,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment  # noqa: E402
-from bench.deepseek_v4_layers import model_config  # noqa: E402
+from bench.deepseek_v4_layers import expert_bytes, layer_cost, model_config  # noqa: E402
 from bench.engine_gpu import copy_bandwidth, decode_steps  # noqa: E402
 from bench.serve_gpu import WIDTH, write_model_dir  # noqa: E402
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from cluster.engine.engine import LLMEngine  # noqa: E402
-from kernels.quant import QuantizedWeight  # noqa: E402
 
 BATCHES, PROMPT, NEW = (1, 8, 32), 512, 64
 TINY_RUN = ((1, 3), 24, 6)
@@ -51,35 +50,24 @@ def make_engine(path: str, device: str, eager: bool, max_num_seqs: int) -> LLMEn
                      SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192))
 
 
-def tensor_bytes(w: Any) -> int:
-    if isinstance(w, QuantizedWeight):
-        return sum(t.numel() * t.element_size() for t in (w.data, w.scale, w.global_scale) if t is not None)
-    return w.numel() * w.element_size()
-
-
 def step_bytes(model: Any, batch: int, context: int) -> dict[str, float]:
-    """Bytes one decode step of ``batch`` sequences at ``context`` tokens must read."""
+    """Bytes one decode step of ``batch`` sequences at ``context`` tokens must read: per layer
+    ``bench.deepseek_v4_layers.layer_cost`` (routed experts touched, KV attended) with its
+    expected experts under uniform routing; outside the routed experts, every weight once but the
+    embedding, of which a row per sequence (the logits head is read whole)."""
     args = model.args
-    # The embedding is gathered (one row a sequence); the logits head is read whole.
-    dense = sum(tensor_bytes(p) for name, p in model.named_parameters()
+    dense = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                 if ".experts." not in name and not name.startswith("embed."))
-    dense += batch * tensor_bytes(model.embed.weight) / model.embed.weight.shape[0]
-    experts = 0.0
-    kv = 0.0
-    width = torch.empty((), dtype=model.dtype).element_size()
-    for layer in model.layers:
+    dense += batch * model.embed.weight[0].numel() * model.embed.weight.element_size()
+    experts = kv = 0.0
+    e, k = args.n_routed_experts, args.num_experts_per_tok
+    for kind, layer in zip(args.layer_types, model.layers):
         stack = layer.ffn.experts
-        per_expert = (tensor_bytes(stack.w13) + tensor_bytes(stack.w2)) / args.n_routed_experts
-        touched = args.n_routed_experts * (1 - (1 - args.num_experts_per_tok / args.n_routed_experts) ** batch)
-        experts += touched * per_expert
-        attn = layer.attn
-        entries = min(args.sliding_window, context)
-        if attn.compressor is not None:
-            visible = context // attn.ratio
-            entries += min(args.index_topk, visible) if attn.indexer is not None else visible
-            if attn.indexer is not None:
-                kv += batch * visible * args.index_head_dim * width
-        kv += batch * entries * args.head_dim * width
+        touched = e * (1 - (1 - k / e) ** batch)
+        cost = layer_cost(args, kind, [context] * batch, [1] * batch, touched,
+                          expert_bytes(stack.w13) + expert_bytes(stack.w2), (0, 0))
+        experts += cost["weight_bytes"]
+        kv += cost["kv_bytes"]
     return {"dense_bytes": dense, "routed_expert_bytes": experts, "kv_bytes": kv,
             "total_bytes": dense + experts + kv}
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_activation import silu_and_mul_triton
-from kernels.triton_support import INTERPRET, autotune_configs, shared_memory_per_block
+from kernels.triton_support import INTERPRET, autotune_configs, shared_memory_per_block, staged_tile_bytes
 
 #: Rows of ``x`` up to which the Triton kernel runs (decode batches); larger ones go to cuBLAS
 #: (on an H200 cuBLAS is as fast or faster from 32 rows: bench/results/linear-h200-*.json).
@@ -44,8 +44,10 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     device's shared memory."""
     bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
     w_tiles = 2 if kwargs.get("GATED", named_args.get("GATED", False)) else 1
-    kept = [c for c in configs
-            if (c.num_stages - 1) * (bm + w_tiles * c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 2 <= shared_memory_per_block()]
+    def fits(c: triton.Config) -> bool:
+        n, k = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        return staged_tile_bytes(c, bm * k * 2, w_tiles * n * k * 2) <= shared_memory_per_block()
+    kept = [c for c in configs if fits(c)]
     return kept or configs[:1]
 
 

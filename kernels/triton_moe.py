@@ -35,7 +35,8 @@ from kernels.quant import QuantizedWeight
 from kernels.triton_moe_align import moe_align, moe_align_and_pair
 from kernels.triton_quant import (FMT_CODES, FP4_ACC_SCALE, fp4_paired_position, fp8_row_scale,
                                   load_weight_tile)
-from kernels.triton_support import INTERPRET, PORTABLE_DECODE, autotune_configs, shared_memory_per_block
+from kernels.triton_support import (INTERPRET, PORTABLE_DECODE, autotune_configs, shared_memory_per_block,
+                                   staged_tile_bytes)
 
 
 def _gemm_configs() -> list[triton.Config]:
@@ -55,13 +56,12 @@ _ELEMENTS_PER_SCALE_BYTE = {0: 0, 1: 128 * 128 / 4, 2: 32, 3: 16}
 
 def shared_memory_estimate(config: triton.Config, block_m: int, fmt: int, weight_tiles: int,
                            f32_dot: bool = False) -> int:
-    """Shared memory of a config: the pipeliner keeps ``num_stages - 1`` stages of the activation
-    tile and the weight tile(s) (two for w13: gate and up rows), with their scales."""
+    """Shared memory of a config: the staged activation tile and weight tile(s) (two for w13: gate
+    and up rows), with their scales."""
     n, k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
     per_scale = _ELEMENTS_PER_SCALE_BYTE[fmt]
     weights = n * k * _WEIGHT_BYTES[fmt] + (n * k / per_scale if per_scale else 0)
-    stage = block_m * k * (4 if f32_dot else 2) + weight_tiles * weights
-    return int((config.num_stages - 1) * stage)
+    return staged_tile_bytes(config, block_m * k * (4 if f32_dot else 2), weight_tiles * weights)
 
 
 def _prune(configs: list[triton.Config], named_args: dict[str, Any], weight_tiles: int = 1,

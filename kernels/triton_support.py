@@ -41,6 +41,13 @@ def shared_memory_per_block() -> int:
     return 227 * 1024
 
 
+def staged_tile_bytes(config: triton.Config, *tile_bytes: float) -> int:
+    """Shared memory a pipelined K loop holds for ``config``: ``num_stages - 1`` stages of the
+    tiles each iteration loads (``tile_bytes``, one per tile). Autotuners prune configs with it
+    against :func:`shared_memory_per_block`."""
+    return int((config.num_stages - 1) * sum(tile_bytes))
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``; a small fixed number on CPU (interpreter)."""
     if device.type != "cuda":

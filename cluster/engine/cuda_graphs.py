@@ -78,7 +78,7 @@ class GraphSafetyCheck(TorchDispatchMode):
             if threading.get_ident() != owner:
                 return original(tensor)
             raise GraphUnsafeError("Tensor.tolist reads device values on the host inside a decode graph")
-        torch.Tensor.tolist = refuse  # type: ignore[method-assign]
+        torch.Tensor.tolist = refuse  # type: ignore[method-assign, assignment]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -95,7 +95,7 @@ class _EmulatedGraph:
     def replay(self) -> None:
         g = self.graphs
         with GraphSafetyCheck():
-            g.outputs[self.size] = g.model(g.input_ids[:self.size], g._context(self.size))
+            g.outputs[self.size] = g.forward(self.size)
 
 
 class DecodeGraphs:
@@ -133,6 +133,10 @@ class DecodeGraphs:
             slot_mappings=[s[:size] if s is not None else None for s in self.slot_mappings],
             block_sizes=[spec.block_size for spec in self.specs])
 
+    def forward(self, size: int) -> torch.Tensor:
+        """The model on the first ``size`` rows of the buffers (what a graph of ``size`` holds)."""
+        return self.model(self.input_ids[:size], self._context(size))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm every size up eagerly (compilation and autotuning stay outside the graphs), then
@@ -141,13 +145,13 @@ class DecodeGraphs:
             self.graphs = {size: _EmulatedGraph(self, size) for size in self.sizes}
             return
         for size in self.sizes:
-            self.model(self.input_ids[:size], self._context(size))
+            self.forward(size)
         torch.cuda.synchronize(self.device)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(self.input_ids[:size], self._context(size))
+                self.outputs[size] = self.forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         self.verify()
@@ -171,7 +175,7 @@ class DecodeGraphs:
         for slots in self.slot_mappings:
             if slots is not None:
                 slots.zero_()  # write the null block, as the eager run does
-        expected = self.model(self.input_ids[:size], self._context(size)).float()
+        expected = self.forward(size).float()
         self.graphs[size].replay()
         got = self.outputs[size].float()
         for slots in self.slot_mappings:

@@ -117,8 +117,7 @@ def load_tokenizer(model: str) -> tuple[Tokenizer | None, dict[str, Any]]:
         raise ModelLoadError(f"model path {path!r} is neither a directory nor a .gguf file", param="model")
     config = read_config(path)
     architecture_of(config)
-    tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-    return tokenizer, config
+    return _dir_tokenizer(path), config
 
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype,
@@ -128,17 +127,19 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
     (``kernel_overrides``: attention_backend, moe_backend, draft_moe_backend). ``load_format=
     "dummy"``: random weights (:mod:`cluster.models.dummy`) instead of the checkpoint's."""
     path = resolve_model_path(model)
-    if load_format == "dummy":
-        return _load_dummy(path, device, dtype, kernel_overrides, seed)
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    dummy = load_format == "dummy"
+    if os.path.isfile(path) and path.endswith(".gguf") and not dummy:
         from cluster.models.gguf import read_gguf
         checkpoint = read_gguf(path)
         config, weights, total, tokenizer = (checkpoint.config, checkpoint.tensors(), checkpoint.num_tensors,
                                              checkpoint.tokenizer)
     elif os.path.isdir(path):
         config = read_config(path)
-        weights, total = iter_safetensors(path), count_safetensors(path)
-        tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+        if not dummy:
+            weights, total = iter_safetensors(path), count_safetensors(path)
+        tokenizer = _dir_tokenizer(path)
+    elif dummy:
+        raise ModelLoadError(f"load_format=dummy needs a directory with config.json, got {path!r}", param="model")
     else:
         raise ModelLoadError(f"model path {path!r} is neither a directory nor a .gguf file", param="model")
     family = BUILDERS[architecture_of(config)]
@@ -146,7 +147,10 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
     with torch.device(device):
         net = family.build(config, dtype, ops)
     desc = f"Loading {os.path.basename(path.rstrip('/'))}"
-    if hasattr(net, "load_weights"):  # families with their own formats (quantized, fused experts)
+    if dummy:
+        from cluster.models.dummy import init_dummy_weights
+        init_dummy_weights(net, config, seed)
+    elif hasattr(net, "load_weights"):  # families with their own formats (quantized, fused experts)
         net.load_weights(weights, total=total, desc=desc)
     else:
         load_into(net, weights, net.checkpoint_targets(), ignore=net.ignored_tensors, total=total, desc=desc)
@@ -154,16 +158,6 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
     return LoadedModel(net, tokenizer, config, path)
 
 
-def _load_dummy(path: str, device: torch.device, dtype: torch.dtype, kernel_overrides: dict[str, str] | None,
-                seed: int) -> LoadedModel:
-    from cluster.models.dummy import init_dummy_weights
-    if not os.path.isdir(path):
-        raise ModelLoadError(f"load_format=dummy needs a directory with config.json, got {path!r}", param="model")
-    config = read_config(path)
-    family = BUILDERS[architecture_of(config)]
-    ops = resolve_ops(family.components(config), device, **(kernel_overrides or {}))
-    with torch.device(device):
-        net = family.build(config, dtype, ops)
-    init_dummy_weights(net, config, seed)
-    tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-    return LoadedModel(net.eval(), tokenizer, config, path)
+def _dir_tokenizer(path: str) -> Tokenizer | None:
+    """The tokenizer.json of a model directory, if it has one."""
+    return Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None

@@ -156,7 +156,7 @@ def test_verify_refuses_a_graph_that_froze_its_inputs(tmp_path):
     class Frozen:
         def __init__(self) -> None:
             graphs.input_ids.zero_()
-            self.output = graphs.model(graphs.input_ids[:2], graphs._context(2)).clone()
+            self.output = graphs.forward(2).clone()
 
         def replay(self) -> None:
             graphs.outputs[2] = self.output
