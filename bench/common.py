@@ -45,6 +45,21 @@ def _git(*args: str) -> str:
         return ""
 
 
+class GraphsOffError(SystemExit):
+    """A benchmark of CUDA-graph rows whose engine decodes eagerly: its rows would be eager
+    numbers under a graphs label, so the script writes no result (and exits non-zero)."""
+
+
+def require_graphs(engine: Any, what: str) -> str:
+    """The engine's CUDA graph status (``GraphStatus.describe()``), for the result's JSON; raises
+    GraphsOffError where graphs fell back (capture or self-check failed, model unsupported)."""
+    status = engine.runner.graph_status
+    if not status.captured:
+        raise GraphsOffError(f"{what}: decode CUDA graphs are off ({status.reason}); refusing to write "
+                             "a result labelled as graphs")
+    return status.describe()
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import environment, median  # noqa: E402
+from bench.common import environment, median, require_graphs  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from cluster.engine.engine import LLMEngine  # noqa: E402
@@ -115,6 +115,21 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int
             "pipelined_steps": engine.num_pipelined_steps}
 
 
+def kv_bytes_per_token(config: dict[str, Any]) -> int:
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+
+
+def decode_row(engine: LLMEngine, config: dict[str, Any], name: str, batch: int, prompt_len: int, new_tokens: int,
+               weights: int, bandwidth: float) -> dict[str, float]:
+    """``decode_steps`` plus the roofline: weight bytes and the KV read at the mean context, over
+    the copy bandwidth."""
+    r = decode_steps(engine, batch, prompt_len, new_tokens, name)
+    ctx = prompt_len + new_tokens // 2
+    roof_s = (weights + batch * ctx * kv_bytes_per_token(config)) / bandwidth
+    r.update(roofline_tok_s=batch / roof_s, pct_of_roofline=100 * roof_s / (r["step_ms"] / 1000))
+    return r
+
+
 def throughput(engine: LLMEngine, requests: int, prompt_len: int, new_tokens: int) -> dict[str, float]:
     add_random_requests(engine, requests, prompt_len, new_tokens, "tp", seed=7)
     torch.cuda.synchronize()
@@ -171,23 +186,20 @@ def main() -> None:
     loaded = random_model(config, device, args.attention_backend)
     wbytes = weight_bytes(loaded.model)
     result["weight_bytes"] = wbytes
-    kv_per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
     rows = result["rows"]
     sections = [("decode-b1", 1, 512, 64), ("decode-b32", 32, 512, 64),
                 ("decode-b1-sync", 1, 512, 64), ("decode-b32-sync", 32, 512, 64)]
     try:
         engine = make_engine(loaded, device, 256, eager=False)
         result["kernels"] = engine.backends()
-        result["cuda_graphs"] = engine.runner.graphs.sizes if engine.runner.graphs else None
+        result["cuda_graphs"] = require_graphs(engine, "engine decode")
+        result["startup_s"] = engine.startup_timings
         for name, batch, plen, new in sections:
             # "-sync": async_scheduling off (each step reads its own tokens before the next is launched)
             engine._pipelined = not name.endswith("-sync")
             engine.num_pipelined_steps = 0
             try:
-                r = decode_steps(engine, batch, plen, new, name)
-                ctx = plen + new // 2
-                roof_s = (wbytes + batch * ctx * kv_per_token) / bw
-                r.update(roofline_tok_s=batch / roof_s, pct_of_roofline=100 * roof_s / (r["step_ms"] / 1000))
+                r = decode_row(engine, config, name, batch, plen, new, wbytes, bw)
                 rows[name] = r
                 print(name, json.dumps(r))
             except Exception as exc:  # noqa: BLE001 - record and go on
@@ -199,7 +211,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             result["errors"]["throughput"] = repr(exc)
         del engine
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - GraphsOffError (a SystemExit) passes through
         result["errors"]["engine"] = repr(exc)
     del loaded
     torch.cuda.empty_cache()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: unpack the dependency bundle (Ray, NIXL, FastAPI; see the device
 # tool's device-bundle), then run the named parts, each bounded, logging under $OUT.
+#   bash bench/gpu_session.sh gpucheck               # the GPU gate: before landing kernels/, cluster/engine/, cluster/models/
 #   bash bench/gpu_session.sh tests kernels engine
 #   bash bench/gpu_session.sh transfer2 serve2 serve2v4   # issue 6, on nvidia-h200-x2 (serve8 on x8)
 # Results record PD_BENCH_COMMIT as their commit when it is set (the GPU machine's copy of the
@@ -17,6 +18,9 @@ date=$(date +%F)
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
+    gpucheck) timeout 420 python3 bench/gpucheck.py --out "$OUT/gpucheck-h200-$date.json" 2>&1 | tail -60 ;;
+    fidelity) timeout 400 python3 -m pytest -q -s -m gpu tests/engine/test_gpu_fidelity.py -p no:cacheprovider 2>&1 | grep -vE "^(Loading|Writing)" | tail -40 ;;
+    startup) TRITON_PRINT_AUTOTUNING=1 timeout 400 python3 bench/startup_gpu.py --out "$OUT/startup-h200-$date.json" 2>&1 | tail -60 ;;
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" ;;
     tests) timeout 180 python3 -m pytest -q -m gpu tests/kernels tests/engine/test_cuda_graphs.py tests/models/test_deepseek_v4_ops.py -p no:cacheprovider 2>&1 | tail -30 ;;
     smoke) timeout 120 python3 bench/engine_gpu.py --tiny --skip-hf --out "$OUT/engine-tiny.json" 2>&1 | tail -20 ;;

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import environment  # noqa: E402
+from bench.common import environment, require_graphs  # noqa: E402
 from bench.deepseek_v4_layers import expert_bytes, layer_cost, model_config  # noqa: E402
 from bench.engine_gpu import copy_bandwidth, decode_steps  # noqa: E402
 from bench.serve_gpu import WIDTH, write_model_dir  # noqa: E402
@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001 - record and go on
                 result["errors"][mode] = repr(exc)
                 continue
-            graphs = engine.runner.graphs
-            result[f"{mode}_graph_sizes"] = graphs.sizes if graphs is not None else None
+            result[f"{mode}_cuda_graphs"] = (require_graphs(engine, "V4 decode, graphs rows") if mode == "graphs"
+                                             else engine.runner.graph_status.describe())
+            result[f"{mode}_startup_s"] = engine.startup_timings
             result.setdefault("kernels", engine.backends())
             for batch in batches:
                 name = f"{mode}-b{batch}"

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_support import INTERPRET, check_last_dim_contiguous, num_sms
+from kernels.triton_support import INTERPRET, exact_dot, check_last_dim_contiguous, num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -88,7 +88,7 @@ def _decode_split_kernel(
         k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
+        qk = exact_dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -98,7 +98,7 @@ def _decode_split_kernel(
         v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty slice (short sequence): weight 0 in the merge

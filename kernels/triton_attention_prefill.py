@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_support import INTERPRET, autotune_configs, check_last_dim_contiguous
+from kernels.triton_support import INTERPRET, exact_dot, autotune_configs, check_last_dim_contiguous
 
 _LOG2E = 1.4426950408889634
 
@@ -90,7 +90,7 @@ def _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, table, lo, hi, qk_scale, wi
                        EVEN_D)  # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], unscaled
+        qk = exact_dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], unscaled
         if MASKED:
             visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < hi)[None, :]
             if HAS_WINDOW:
@@ -110,7 +110,7 @@ def _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, table, lo, hi, qk_scale, wi
                        EVEN_D)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = exact_dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels.triton_deepseek_v4_common import (LOG2E, batch_tensors, log_steps, next_power_of_2,
                                                token_position, token_sequence)
-from kernels.triton_support import INTERPRET, autotune_configs, check_last_dim_contiguous, num_sms
+from kernels.triton_support import INTERPRET, exact_dot, autotune_configs, check_last_dim_contiguous, num_sms
 
 _CONFIGS = [
     triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=4, num_stages=2),
@@ -50,14 +50,14 @@ def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, qk_scale, UPCA
     softmax state of the program's heads."""
     kv = tl.load(kv_ptrs[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     kv = kv.to(q.dtype)  # [BLOCK_N, BLOCK_D]; the reference computes in q's dtype too
-    qk = tl.dot(q, tl.trans(kv)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
+    qk = exact_dot(q, tl.trans(kv)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
     qk = tl.where(n_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+    acc = acc * alpha[:, None] + exact_dot(p.to(kv.dtype), kv)
     return acc, l_i, m_new
 
 

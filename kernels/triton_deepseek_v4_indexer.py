@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kernels.triton_deepseek_v4_common import (batch_tensors, log_steps, next_power_of_2,
                                                token_position, token_sequence)
-from kernels.triton_support import INTERPRET, autotune_configs, check_last_dim_contiguous, num_sms
+from kernels.triton_support import INTERPRET, exact_dot, autotune_configs, check_last_dim_contiguous, num_sms
 
 _CONFIGS = [
     triton.Config({"BLOCK_E": 32}, num_warps=4, num_stages=3),
@@ -76,7 +76,7 @@ def _indexer_scores_kernel(
         page = tl.load(table + offs_e // PAGE, mask=e_mask, other=0).to(tl.int64)
         rows = k_ptr + page * stride_kb + (offs_e % PAGE).to(tl.int64) * stride_ke
         k = tl.load(rows[:, None] + offs_d[None, :], mask=e_mask[:, None] & d_mask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))  # [BLOCK_H, BLOCK_E] float32
+        s = exact_dot(q, tl.trans(k.to(q.dtype)))  # [BLOCK_H, BLOCK_E] float32
         score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0) * scale
         tl.store(out + offs_e, score, mask=e_mask)
 

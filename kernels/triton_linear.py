@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_activation import silu_and_mul_triton
-from kernels.triton_support import INTERPRET, autotune_configs, shared_memory_per_block, staged_tile_bytes
+from kernels.triton_support import INTERPRET, exact_dot, autotune_configs, shared_memory_per_block, staged_tile_bytes
 
 #: Rows of ``x`` up to which the Triton kernel runs (decode batches); larger ones go to cuBLAS
 #: (on an H200 cuBLAS is as fast or faster from 32 rows: bench/results/linear-h200-*.json).
@@ -74,15 +74,15 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, str
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
         if UPCAST:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+            acc = exact_dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = exact_dot(x, tl.trans(w), acc)
         if GATED:
             u = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
             if UPCAST:
-                acc_u += tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)))
+                acc_u = exact_dot(x.to(tl.float32), tl.trans(u.to(tl.float32)), acc_u)
             else:
-                acc_u = tl.dot(x, tl.trans(u), acc_u)
+                acc_u = exact_dot(x, tl.trans(u), acc_u)
     out_ty = y_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

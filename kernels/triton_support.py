@@ -13,11 +13,24 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 #: ``PD_KERNELS_PORTABLE_DECODE=1`` turns off the inline-PTX / hardware weight decoders of
 #: ``kernels.triton_quant`` (a debugging switch: the portable decoders are slower, same results).
 PORTABLE_DECODE: bool = os.environ.get("PD_KERNELS_PORTABLE_DECODE") == "1"
+
+
+@triton.jit
+def exact_dot(a, b, acc=None):
+    """``tl.dot``, multiplied in full float32 precision when the operands are float32: Triton's
+    default rounds float32 operands to tf32 (about 1e-3 relative), enough to flip the V4 indexer's
+    top-k or a near-tied greedy token against the CPU path on long prompts. Other dtypes compile
+    exactly as ``tl.dot`` (the branch is resolved at compile time)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 def autotune_configs(configs: list[triton.Config], interpreted: triton.Config) -> list[triton.Config]:

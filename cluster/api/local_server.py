@@ -69,7 +69,8 @@ class LocalEngineClient:
                              num_requests_waiting=int(m["num_requests_waiting"]),
                              kv_cache_usage_perc=m["kv_cache_usage_perc"],
                              num_free_blocks=int(m["num_free_blocks"]),
-                             prefix_cache_hit_rate=m["prefix_cache_hit_rate"])]
+                             prefix_cache_hit_rate=m["prefix_cache_hit_rate"],
+                             cuda_graphs_captured=m["cuda_graphs_captured"])]
 
     async def backends(self) -> list[dict[str, Any]]:
         return [dict(b, role="colocated", replica="local") for b in self.engine.engine.backends()]

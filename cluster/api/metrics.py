@@ -15,7 +15,7 @@ Measured here, per sample (one engine request; a request with ``n=2`` counts twi
 Rendered at scrape time from ``EngineClient.replica_stats()``, labelled ``role`` and ``replica``:
 gauges ``cluster:num_requests_running``, ``cluster:num_requests_waiting``,
 ``cluster:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM's), ``cluster:prefix_cache_hit_rate``,
-``cluster:kv_cache_free_blocks``; counters ``cluster:kv_transfer_bytes_total`` and
+``cluster:kv_cache_free_blocks``, ``cluster:cuda_graphs_captured`` (1 or 0); counters ``cluster:kv_transfer_bytes_total`` and
 ``cluster:kv_transfer_failures_total``; and ``cluster:kv_transfer_seconds`` as a summary without
 quantiles, i.e. the pair ``cluster:kv_transfer_seconds_sum`` (seconds spent moving KV) and
 ``cluster:kv_transfer_seconds_count`` (transfers), so ``rate(_sum) / rate(_count)`` is the mean
@@ -54,6 +54,8 @@ _REPLICA_GAUGES = {
     "kv_cache_usage_perc": ("cluster:kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1)."),
     "prefix_cache_hit_rate": ("cluster:prefix_cache_hit_rate", "Prefix cache hit rate (0 to 1)."),
     "num_free_blocks": ("cluster:kv_cache_free_blocks", "Free KV blocks."),
+    "cuda_graphs_captured": ("cluster:cuda_graphs_captured", "1 when decode steps replay captured CUDA graphs, "
+                             "0 when they run eagerly (see /v1/backends, component cuda_graphs, for why)."),
 }
 _METRIC_KEY = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _LABELS = ["role", "replica"]

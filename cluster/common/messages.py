@@ -89,6 +89,8 @@ class ReplicaStats:
     kv_cache_usage_perc: float = 0.0
     num_free_blocks: int = 0
     prefix_cache_hit_rate: float = 0.0
+    #: 1 when the replica's decode steps replay captured CUDA graphs, 0 when they run eagerly.
+    cuda_graphs_captured: float = 0.0
     kv_transfer_bytes_total: int = 0
     kv_transfer_seconds_total: float = 0.0
     kv_transfer_count: int = 0

@@ -26,6 +26,7 @@ def replica_stats(role: str, replica_id: str, metrics: dict[str, float], transfe
         kv_cache_usage_perc=metrics["kv_cache_usage_perc"],
         num_free_blocks=int(metrics["num_free_blocks"]),
         prefix_cache_hit_rate=metrics["prefix_cache_hit_rate"],
+        cuda_graphs_captured=metrics["cuda_graphs_captured"],
         kv_transfer_bytes_total=transfer.bytes_total, kv_transfer_seconds_total=transfer.seconds_total,
         kv_transfer_count=transfer.count, kv_transfer_failures_total=transfer.failures_total,
         extra=dict(extra or {}))

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,33 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+@dataclass(frozen=True)
+class GraphStatus:
+    """Whether decode steps replay captured CUDA graphs, and if not, why. Decode is several times
+    slower without them, so the engine says so at start-up (a warning on a GPU), in its
+    ``/v1/backends`` row ``cuda_graphs`` and in the gauge ``cluster:cuda_graphs_captured``."""
+
+    #: Captured batch sizes; empty when graphs are off.
+    sizes: tuple[int, ...] = ()
+    #: Why graphs are off (empty when captured).
+    reason: str = ""
+    #: The batch size checked against the eager forward after capture.
+    verified_size: int = 0
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.sizes)
+
+    def __bool__(self) -> bool:
+        return self.captured
+
+    def describe(self) -> str:
+        if self.captured:
+            return (f"captured: batch sizes {', '.join(map(str, self.sizes))} "
+                    f"(batch {self.verified_size} verified against the eager forward)")
+        return f"off: {self.reason}"
 
 
 class GraphUnsafeError(RuntimeError):
@@ -121,6 +150,9 @@ class DecodeGraphs:
                                   if spec.kind in ("full", "sliding_window") else None for spec in specs]
         self.graphs: dict[int, Any] = {}  # torch.cuda.CUDAGraph, or _EmulatedGraph
         self.outputs: dict[int, torch.Tensor] = {}
+        #: Start-up seconds by phase (``capture``).
+        self.timings: dict[str, float] = {}
+        self.verified_size = 0
 
     def _context(self, size: int) -> ForwardContext:
         return ForwardContext(
@@ -140,13 +172,18 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm every size up eagerly (compilation and autotuning stay outside the graphs), then
-        capture from the largest size down, sharing one memory pool."""
+        capture from the largest size down, sharing one memory pool, then ``verify``. Seconds
+        spent per phase (and warming up each size) land in ``timings``."""
         if self.emulate:
             self.graphs = {size: _EmulatedGraph(self, size) for size in self.sizes}
+            self.verified_size = self.verify()
             return
         for size in self.sizes:
+            start = time.perf_counter()
             self.forward(size)
-        torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)
+            self.timings[f"warmup_b{size}_s"] = time.perf_counter() - start
+        start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
@@ -154,38 +191,62 @@ class DecodeGraphs:
                 self.outputs[size] = self.forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
-        self.verify()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        self.timings["capture_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self.verified_size = self.verify()
+        self.timings["verify_s"] = time.perf_counter() - start
+        logger.info("captured decode CUDA graphs for batch sizes %s (batch %d verified against the eager "
+                    "forward)", self.sizes, self.verified_size)
+
+    def verify_size(self) -> int:
+        """The largest captured size whose rows can each own a block of every group (block 0 is the
+        null block): ``verify`` gives row i block i + 1."""
+        free = min(int(cache.shape[0]) for cache in self.kv_caches) - 1
+        return max(s for s in self.sizes if s <= free) if free >= self.sizes[0] else 0
 
     @torch.inference_mode()
-    def verify(self, rtol: float = 2e-2) -> None:
-        """Replay the largest graph on inputs it was not captured with (random tokens, each row at
-        position 0 in the null block, so nothing outside that block is written and no earlier
-        state is read) and compare with the same forward run eagerly: a graph that froze a value
-        at capture gives other hidden states. Raises GraphUnsafeError (the runner then decodes
-        eagerly)."""
-        size = self.max_batch
+    def verify(self, rtol: float = 2e-2) -> int:
+        """Replay a graph on inputs it was not captured with and compare with the same forward run
+        eagerly: a graph that froze a value at capture gives other hidden states. Each row is a
+        fresh sequence at position 0 in a block of its own in every group (row i: block i + 1), so
+        no two rows write or read the same KV slot: rows that shared one would read whichever row
+        wrote last, which on a GPU differs between two runs. Those blocks (free at start-up) get
+        their bytes back afterwards. Checks the largest size that has a block per row
+        (``verify_size``) and returns it; raises GraphUnsafeError (the runner then decodes eagerly)."""
+        size = self.verify_size()
+        if size == 0:
+            raise GraphUnsafeError("no KV block to verify a decode graph with (the pool holds only the null block)")
         vocab = int(getattr(self.model, "vocab_size", 2))
         generator = torch.Generator(device=self.device).manual_seed(0)
-        self.input_ids.copy_(torch.randint(0, vocab, (size,), generator=generator, device=self.device))
+        saved = [cache[1:size + 1].clone() for cache in self.kv_caches]
+        own = torch.arange(1, size + 1, device=self.device)
+        self.input_ids[:size].copy_(torch.randint(0, vocab, (size,), generator=generator, device=self.device))
         self.positions.zero_()
         self.seq_lens.fill_(1)
         for table in self.block_tables:
             table.zero_()
-        for slots in self.slot_mappings:
+            table[:size, 0] = own.to(table.dtype)
+        for spec, slots in zip(self.specs, self.slot_mappings):
             if slots is not None:
-                slots.zero_()  # write the null block, as the eager run does
-        expected = self.forward(size).float()
-        self.graphs[size].replay()
-        got = self.outputs[size].float()
-        for slots in self.slot_mappings:
-            if slots is not None:
-                slots.fill_(-1)
+                slots[:size] = own * spec.block_size
+        try:
+            expected = self.forward(size).float()
+            self.graphs[size].replay()
+            got = self.outputs[size].float()
+        finally:
+            for table in self.block_tables:
+                table.zero_()
+            for slots in self.slot_mappings:
+                if slots is not None:
+                    slots.fill_(-1)
+            for cache, before in zip(self.kv_caches, saved):
+                cache[1:size + 1].copy_(before)
         scale = float(expected.abs().max())
         error = float((got - expected).abs().max())
         if not error <= rtol * max(scale, 1e-6):
             raise GraphUnsafeError(f"decode graph of batch {size} replayed other hidden states than the "
                                    f"eager forward (max error {error:.3g}, scale {scale:.3g})")
+        return size
 
     def can_run(self, batch: HostBatch) -> bool:
         return bool(self.graphs) and batch.decode_only and batch.num_seqs <= self.max_batch

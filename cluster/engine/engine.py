@@ -25,6 +25,7 @@ from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.cuda_graphs import GraphStatus
 from cluster.engine.model_runner import KVAllocator, ModelRunner, RunnerOutput, plan_num_blocks
 from cluster.engine.output_processor import OutputProcessor, RequestGroup
 from cluster.engine.request import Request, RequestStatus
@@ -46,6 +47,16 @@ class InFlightStep:
     host: torch.Tensor  # [B] int64 pinned, filled by an asynchronous copy
     done: torch.cuda.Event | None  # None on CPU (nothing runs asynchronously)
     rows: dict[str, int]  # request id -> row in tokens
+
+
+def announce_graph_status(status: GraphStatus, device: torch.device, role: str) -> None:
+    """Log whether decode runs as CUDA graphs: a warning where a GPU decodes without them (the
+    fast path fell back, or ``enforce_eager``), info otherwise (captured, a CPU, a prefill role)."""
+    if status.captured or device.type != "cuda" or role == "prefill":
+        logger.info("decode CUDA graphs %s", status.describe())
+    else:
+        logger.warning("decode CUDA graphs are OFF (%s): every decode step launches its kernels from the "
+                       "host, several times slower", status.reason)
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -72,13 +83,17 @@ class LLMEngine:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(model_config.seed)
+        #: Seconds spent starting up, by phase (logged; bench/startup_gpu.py reports them).
+        self.startup_timings: dict[str, float] = {}
+        start = time.perf_counter()
         self.loaded = loaded or load_model(model_config.model, self.device, self.dtype, {
             "attention_backend": model_config.attention_backend, "moe_backend": model_config.moe_backend,
             "draft_moe_backend": model_config.draft_moe_backend}, load_format=model_config.load_format,
             seed=model_config.seed)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
-        for choice in self.backends():
+        self.startup_timings["load_s"] = time.perf_counter() - start
+        for choice in self.model.kernel_choices():
             logger.info("kernel for %s: %s (%s, %s role, %s format): %s", choice["component"], choice["impl"],
                         choice["device"], choice["role"], choice["format"], choice["reason"])
         self.scheduler_config = self._init_scheduler_config(scheduler_config)
@@ -87,8 +102,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_specs, self.num_blocks, self.device, model_config.seed,
                                   kv_allocator)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler_config.max_model_len)
-        if not model_config.enforce_eager:
-            self.runner.capture_cuda_graphs(self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
+        self._init_cuda_graphs()
         self.groups: dict[str, RequestGroup] = {}
         self._sample_group: dict[str, RequestGroup] = {}
         self._pending: list[RequestOutput] = []
@@ -105,6 +119,21 @@ class LLMEngine:
         self.num_sync_steps = 0
 
     # --- start-up --------------------------------------------------------------------------------
+
+    def _init_cuda_graphs(self) -> None:
+        """Capture decode graphs (not for prefill-only engines, which never decode), and say
+        loudly when decode runs without them."""
+        if self.model_config.enforce_eager:
+            self.runner.graph_status = GraphStatus(reason="enforce_eager is set")
+        elif self.scheduler_config.role == "prefill":
+            self.runner.graph_status = GraphStatus(reason="prefill role: no decode steps to capture")
+        else:
+            start = time.perf_counter()
+            self.runner.capture_cuda_graphs(self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
+            self.startup_timings["cuda_graphs_s"] = time.perf_counter() - start
+            if self.runner.graphs is not None:
+                self.startup_timings.update(self.runner.graphs.timings)
+        announce_graph_status(self.runner.graph_status, self.device, self.scheduler_config.role)
 
     def _init_scheduler_config(self, config: SchedulerConfig) -> SchedulerConfig:
         model_len = int(self.model.max_position_embeddings)
@@ -447,8 +476,15 @@ class LLMEngine:
     # --- introspection -----------------------------------------------------------------------------------
 
     def backends(self) -> list[dict[str, str]]:
-        """The implementation chosen for each component (logged at start-up, served at /v1/backends)."""
-        return list(self.model.kernel_choices())
+        """The implementation chosen for each component (logged at start-up, served at
+        /v1/backends), and whether decode runs as CUDA graphs (component ``cuda_graphs``: impl
+        ``captured`` or ``off``, with the sizes or the reason)."""
+        rows = list(self.model.kernel_choices())
+        status = self.runner.graph_status
+        device = rows[0]["device"] if rows else self.device.type
+        rows.append({"component": "cuda_graphs", "op": "decode_step", "impl": "captured" if status.captured else "off",
+                     "device": device, "role": "main", "format": "-", "reason": status.describe()})
+        return rows
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -457,4 +493,5 @@ class LLMEngine:
             "kv_cache_usage_perc": self.kv.usage,
             "num_free_blocks": float(min(self.kv.num_free_blocks())),
             "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,
+            "cuda_graphs_captured": float(self.runner.graph_status.captured),
         }

@@ -14,7 +14,7 @@ import torch
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
 from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
-from cluster.engine.cuda_graphs import DecodeGraphs
+from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, GraphUnsafeError
 from cluster.engine.request import Request
 from cluster.engine.sampler import Sampler, SamplingRow, to_device
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -53,27 +53,35 @@ class ModelRunner:
         else:
             self.kv_caches = kv_allocator(specs, num_blocks, device, dtypes)
         self.graphs: DecodeGraphs | None = None
+        self.graph_status = GraphStatus(reason="not captured")
         ops = getattr(model, "ops", None)
         self.sampler = Sampler(model.vocab_size, seed, device, *((ops.sampling,) if ops is not None else ()))
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int, emulate: bool = False) -> bool:
-        """Capture decode graphs when the device and the model's kernels allow it. A capture that
-        fails leaves the runner eager (logged). ``emulate``: graphs emulated on any device
-        (tests: see :class:`DecodeGraphs`)."""
-        if not getattr(self.model, "supports_cuda_graphs", False) or (self.device.type != "cuda" and not emulate):
-            return False
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int, emulate: bool = False) -> GraphStatus:
+        """Capture decode graphs when the device and the model's kernels allow it; the returned
+        status (also ``graph_status``) says which sizes, or why not. A capture or a self-check
+        that fails leaves the runner eager. ``emulate``: graphs emulated on any device (tests: see
+        :class:`DecodeGraphs`)."""
+        blocker = getattr(self.model, "cuda_graph_blocker", "the model declares no CUDA graph support")
+        if self.device.type != "cuda" and not emulate:
+            blocker = f"the device is {self.device.type}: CUDA graphs need a CUDA device"
+        if blocker is not None:
+            self.graph_status = GraphStatus(reason=blocker)
+            return self.graph_status
         graphs = DecodeGraphs(self.model, self.specs, self.kv_caches, self.device, max_batch, max_model_len,
                               emulate=emulate)
         try:
             graphs.capture()
-        except Exception:  # noqa: BLE001 - a model that cannot be captured still serves, eagerly
-            if emulate:
-                raise
-            logger.warning("decode CUDA graph capture failed; decoding eagerly", exc_info=True)
-            torch.cuda.synchronize(self.device)
-            return False
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be captured still serves, eagerly
+            what = "self-check failed" if isinstance(exc, GraphUnsafeError) else "capture failed"
+            self.graph_status = GraphStatus(reason=f"{what}: {type(exc).__name__}: {exc}")
+            logger.warning("decode CUDA graphs: %s", what, exc_info=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return self.graph_status
         self.graphs = graphs
-        return True
+        self.graph_status = GraphStatus(sizes=tuple(graphs.sizes), verified_size=graphs.verified_size)
+        return self.graph_status
 
     @torch.inference_mode()
     def forward(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]

@@ -115,12 +115,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         return list(self.ops.table)
 
     @property
-    def supports_cuda_graphs(self) -> bool:
-        """Decode steps can be captured when the sparse attention, the indexer and the routed
-        experts run the Triton kernels (batched, no host synchronisation; the references loop over
-        sequences and experts on the host). The rest of a decode step is batched torch."""
+    def cuda_graph_blocker(self) -> str | None:
+        """Why decode steps cannot be captured, or None: they can when the sparse attention, the
+        indexer and the routed experts run the Triton kernels (batched, no host synchronisation;
+        the references loop over sequences and experts on the host). The rest of a decode step is
+        batched torch."""
         impl = {row["component"]: row["impl"] for row in self.ops.table}
-        return bool(impl) and all(impl.get(c, "triton") == "triton" for c in _GRAPH_COMPONENTS)
+        if not impl:
+            return "no kernel table (ops resolved by hand)"
+        other = [f"{c} runs {impl[c]}" for c in _GRAPH_COMPONENTS if impl.get(c, "triton") != "triton"]
+        return "; ".join(other) + " (graphs need the Triton kernels)" if other else None
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return self.cuda_graph_blocker is None
 
     @property
     def vocab_size(self) -> int:

@@ -142,10 +142,17 @@ class LlamaForCausalLM(nn.Module):
                              persistent=False)
 
     @property
+    def cuda_graph_blocker(self) -> str | None:
+        """Why decode steps cannot be captured, or None: they can when attention runs the Triton
+        kernels (no host syncs, no step-dependent shapes)."""
+        name = self.ops.attention.__name__
+        if name == "paged_attention_triton":
+            return None
+        return f"attention runs {name}, not the Triton kernel (attention_backend)"
+
+    @property
     def supports_cuda_graphs(self) -> bool:
-        """Decode steps can be captured when attention runs the Triton kernels (no host syncs,
-        no step-dependent shapes)."""
-        return self.ops.attention.__name__ == "paged_attention_triton"
+        return self.cuda_graph_blocker is None
 
     def kernel_choices(self) -> list[dict[str, Any]]:
         return list(self.ops.table)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
-from cluster.engine.cuda_graphs import GraphSafetyCheck, GraphUnsafeError
+from cluster.engine.cuda_graphs import DecodeGraphs, GraphSafetyCheck, GraphUnsafeError
+from cluster.engine.engine import announce_graph_status
 from tests.deepseek_factories import make_v4_checkpoint
 from tests.factories import make_checkpoint, mixed_prompts
 
@@ -98,8 +99,9 @@ def graphed_pair(path: str, **settings):
     eager = LLM(path, enforce_eager=True, **settings)
     graphed = LLM(path, enforce_eager=True, **settings)
     engine = graphed.engine
-    assert engine.runner.capture_cuda_graphs(engine.scheduler_config.max_num_seqs,
-                                             engine.scheduler_config.max_model_len, emulate=True)
+    status = engine.runner.capture_cuda_graphs(engine.scheduler_config.max_num_seqs,
+                                               engine.scheduler_config.max_model_len, emulate=True)
+    assert status.captured, status.describe()
     engine._pipelined = True
     return eager, graphed
 
@@ -149,9 +151,9 @@ def test_verify_refuses_a_graph_that_froze_its_inputs(tmp_path):
     llm = LLM(path, enforce_eager=True, block_size=16, dtype="float32", attention_backend="triton",
               max_num_seqs=2, max_model_len=128)
     runner = llm.engine.runner
-    assert runner.capture_cuda_graphs(2, 128, emulate=True)
+    assert runner.capture_cuda_graphs(2, 128, emulate=True).captured
     graphs = runner.graphs
-    graphs.verify()
+    assert graphs.verify() == 2
 
     class Frozen:
         def __init__(self) -> None:
@@ -164,3 +166,96 @@ def test_verify_refuses_a_graph_that_froze_its_inputs(tmp_path):
     with pytest.raises(GraphUnsafeError, match="batch 2"):
         graphs.verify()
     assert np.all(graphs.slot_mappings[0].numpy() == -1)  # the placeholders are back
+
+
+class _RowsReversed:
+    """An emulated graph whose replay runs its rows in reverse order, as a GPU may order the rows
+    of one launch otherwise than the eager run did: rows that shared a KV slot would each read
+    the other row's write."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int) -> None:
+        self.graphs, self.size = graphs, size
+
+    def replay(self) -> None:
+        g, n = self.graphs, self.size
+        buffers = [g.input_ids, g.positions, g.seq_lens, *g.block_tables, *[s for s in g.slot_mappings if s is not None]]
+        saved = [b[:n].clone() for b in buffers]
+        for b in buffers:
+            b[:n] = b[:n].flip(0).clone()
+        try:
+            g.outputs[n] = g.forward(n).flip(0)
+        finally:
+            for b, before in zip(buffers, saved):
+                b[:n] = before
+
+
+def test_verify_gives_every_row_its_own_kv_slots(tmp_path):
+    """The self-check after capture must not race: on a GPU the rows of a batch run at once, and a
+    check whose rows all wrote slot 0 of one block compared whichever row won (it differed
+    between the eager run and the replay, and turned decode graphs off on every GPU). A faithful
+    graph that runs its rows in another order passes, the blocks the check used keep their bytes,
+    and a frozen graph is still refused."""
+    path = str(tmp_path / "llama")
+    make_checkpoint(path, "llama", max_position_embeddings=128)
+    llm = LLM(path, enforce_eager=True, block_size=16, dtype="float32", attention_backend="triton",
+              max_num_seqs=4, max_model_len=128)
+    runner = llm.engine.runner
+    assert runner.capture_cuda_graphs(4, 128, emulate=True).captured
+    graphs = runner.graphs
+    for cache in graphs.kv_caches:
+        cache.normal_()
+    before = [cache.clone() for cache in graphs.kv_caches]
+    graphs.graphs[4] = _RowsReversed(graphs, 4)
+    assert graphs.verify() == 4
+    assert all(torch.equal(cache, b) for cache, b in zip(graphs.kv_caches, before))
+    assert np.all(graphs.slot_mappings[0].numpy() == -1) and not graphs.block_tables[0].any()
+
+
+def test_verify_checks_the_largest_size_the_pool_can_hold(tmp_path):
+    """With fewer free blocks than the largest graph's rows, the check runs the largest graph that
+    gives each row a block of its own."""
+    path = str(tmp_path / "llama")
+    make_checkpoint(path, "llama", max_position_embeddings=128)
+    llm = LLM(path, enforce_eager=True, block_size=16, dtype="float32", attention_backend="triton",
+              max_num_seqs=8, max_model_len=128, num_kv_blocks=6)
+    status = llm.engine.runner.capture_cuda_graphs(8, 128, emulate=True)
+    assert status.captured and status.sizes == (1, 2, 4, 8) and status.verified_size == 4
+
+
+def test_graph_status_says_why_graphs_are_off(tmp_path, monkeypatch, caplog):
+    """Graphs off for any reason is visible: the ``cuda_graphs`` row of ``backends()`` (served at
+    /v1/backends), the ``cuda_graphs_captured`` metric, and on a GPU a start-up warning."""
+    path = str(tmp_path / "llama")
+    make_checkpoint(path, "llama", max_position_embeddings=128)
+    common = dict(block_size=16, dtype="float32", max_num_seqs=2, max_model_len=128)
+
+    def graph_row(llm):
+        rows = [b for b in llm.engine.backends() if b["component"] == "cuda_graphs"]
+        assert len(rows) == 1
+        return rows[0]
+    cpu = LLM(path, attention_backend="triton", **common)
+    assert graph_row(cpu)["impl"] == "off" and "the device is cpu" in graph_row(cpu)["reason"]
+    assert cpu.engine.metrics()["cuda_graphs_captured"] == 0.0
+    eager = LLM(path, enforce_eager=True, attention_backend="triton", **common)
+    assert graph_row(eager)["reason"] == "off: enforce_eager is set"
+    reference = LLM(path, enforce_eager=True, attention_backend="torch", **common)
+    status = reference.engine.runner.capture_cuda_graphs(2, 128, emulate=True)
+    assert not status.captured and "attention runs paged_attention_ref" in status.reason
+
+    def broken(self):
+        raise GraphUnsafeError("decode graph of batch 2 replayed other hidden states")
+    monkeypatch.setattr(DecodeGraphs, "verify", broken)
+    status = eager.engine.runner.capture_cuda_graphs(2, 128, emulate=True)
+    assert not status.captured and eager.engine.runner.graphs is None
+    assert graph_row(eager)["reason"].startswith("off: self-check failed: GraphUnsafeError")
+    with caplog.at_level("INFO", logger="cluster.engine.engine"):
+        announce_graph_status(status, torch.device("cuda"), "decode")
+        announce_graph_status(status, torch.device("cuda"), "prefill")
+    announced = [r for r in caplog.records if r.name == "cluster.engine.engine"]
+    assert [r.levelname for r in announced] == ["WARNING", "INFO"]
+    assert "OFF (self-check failed" in announced[0].getMessage()
+    monkeypatch.undo()
+    captured = eager.engine.runner.capture_cuda_graphs(2, 128, emulate=True)
+    assert graph_row(eager)["impl"] == "captured" and eager.engine.metrics()["cuda_graphs_captured"] == 1.0
+    assert graph_row(eager)["reason"] == "captured: batch sizes 1, 2 (batch 2 verified against the eager forward)"
+    assert captured.describe() == graph_row(eager)["reason"]
