@@ -38,6 +38,7 @@ class TritonLog:
         from triton.runtime import autotuner
         self.compiles = 0
         self.compile_s = 0.0
+        self.by_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         self.tuning: dict[str, dict[str, float]] = defaultdict(lambda: {"keys": 0, "configs": 0, "seconds": 0.0})
         self._started: float | None = None
         knobs.runtime.jit_cache_hook = self._before_compile
@@ -65,20 +66,28 @@ class TritonLog:
         self._started = time.perf_counter()
         return None  # a true value would skip the compile
 
-    def _after_compile(self, **_: Any) -> None:
+    def _after_compile(self, fn: Any = None, **_: Any) -> None:
         self.compiles += 1
         if self._started is not None:
-            self.compile_s += time.perf_counter() - self._started
+            seconds = time.perf_counter() - self._started
+            self.compile_s += seconds
+            entry = self.by_kernel[getattr(fn, "name", "?")]
+            entry[0] += 1
+            entry[1] += seconds
             self._started = None
 
     def snapshot(self) -> dict[str, Any]:
         tuning = {k: dict(v) for k, v in sorted(self.tuning.items(), key=lambda kv: -kv[1]["seconds"])}
+        kernels = {k: {"compiles": int(n), "seconds": round(s, 2)}
+                   for k, (n, s) in sorted(self.by_kernel.items(), key=lambda kv: -kv[1][1])}
         return {"compiles": self.compiles, "compile_s": round(self.compile_s, 2),
-                "autotune_s": round(sum(v["seconds"] for v in tuning.values()), 2), "autotune": tuning}
+                "autotune_s": round(sum(v["seconds"] for v in tuning.values()), 2), "autotune": tuning,
+                "compiles_by_kernel": kernels}
 
     def reset(self) -> None:
         self.compiles, self.compile_s = 0, 0.0
         self.tuning.clear()
+        self.by_kernel.clear()
 
 
 def timed_engine(make: Any, log: TritonLog) -> dict[str, Any]:

@@ -118,7 +118,7 @@ def _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, table, lo, hi, qk_scale, wi
 @triton.autotune(
     configs=autotune_configs(_CONFIGS, triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4,
                                                      num_stages=1)),
-    key=["HEAD_DIM", "PAGE_SIZE", "GQA", "HAS_WINDOW", "q_len_bucket"],
+    key=["HEAD_DIM", "PAGE_SIZE", "GQA", "HAS_WINDOW", "q_len_bucket"], cache_results=True,
 )
 @triton.jit
 def _prefill_kernel(

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_deepseek_v4_common import (LOG2E, batch_tensors, log_steps, next_power_of_2,
+from kernels.triton_deepseek_v4_common import (BATCH_ARGS, LOG2E, batch_tensors, log_steps, next_power_of_2,
+                                               token_bucket,
                                                token_position, token_sequence)
 from kernels.triton_support import INTERPRET, exact_dot, autotune_configs, check_last_dim_contiguous, num_sms
 
@@ -65,17 +66,17 @@ def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, qk_scale, UPCA
     configs=autotune_configs(_CONFIGS, triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4,
                                                      num_stages=1)),
     key=["num_heads", "HEAD_DIM", "WIN_PAGE", "COMP_PAGE", "HAS_COMP", "HAS_TOPK", "NUM_SPLITS", "token_bucket"],
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": _prune}, cache_results=True,
 )
-@triton.jit
+@triton.jit(do_not_specialize=[a for a in BATCH_ARGS if a != "t_base"])
 def _sparse_attention_kernel(
     q_ptr, win_ptr, win_tables_ptr, comp_ptr, comp_tables_ptr, topk_ptr, sinks_ptr,
     query_start_loc_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    num_seqs, num_heads, window, ratio, num_picks, qk_scale, token_bucket,
+    num_seqs, log_b, num_heads, window, ratio, num_picks, qk_scale, token_bucket,
     stride_qt, stride_qh, stride_wb, stride_wt, stride_wtab, stride_cb, stride_ce, stride_ctab,
     stride_kt, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WIN_PAGE: tl.constexpr, COMP_PAGE: tl.constexpr,
-    HAS_COMP: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_SPLITS: tl.constexpr, LOG_B: tl.constexpr,
+    HAS_COMP: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Programs of one token are adjacent, so its entries are read from L2 by all but the first.
@@ -84,7 +85,7 @@ def _sparse_attention_kernel(
     t = pid // per_token
     head_block = (pid % per_token) // NUM_SPLITS
     split = pid % NUM_SPLITS
-    seq = token_sequence(query_start_loc_ptr, t, num_seqs, LOG_B)
+    seq = token_sequence(query_start_loc_ptr, t, num_seqs, log_b)
     pos = token_position(query_start_loc_ptr, seq_lens_ptr, t, seq)
     seq64, t64 = seq.to(tl.int64), t.to(tl.int64)
 
@@ -233,14 +234,14 @@ def sparse_attention_triton(q: torch.Tensor, window_cache: torch.Tensor, window_
 
     _sparse_attention_kernel[grid](
         q, window_cache, window_tables, comp, comp_tables, topk, sinks, qsl, lens, out, part_out,
-        part_lse, num_seqs, num_heads, window, max(compress_ratio, 1),
-        topk.shape[1] if has_topk else 0, scale * LOG2E, min(next_power_of_2(num_tokens), 4096),
+        part_lse, num_seqs, log_steps(num_seqs), num_heads, window, max(compress_ratio, 1),
+        topk.shape[1] if has_topk else 0, scale * LOG2E, token_bucket(num_tokens),
         q.stride(0), q.stride(1), window_cache.stride(0), window_cache.stride(1),
         window_tables.stride(0), comp.stride(0), comp.stride(1), comp_tables.stride(0),
         topk.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), WIN_PAGE=window_cache.shape[1],
         COMP_PAGE=comp.shape[1], HAS_COMP=has_comp, HAS_TOPK=has_topk, NUM_SPLITS=num_splits,
-        LOG_B=log_steps(num_seqs), UPCAST=INTERPRET,
+        UPCAST=INTERPRET,
     )
     if num_splits > 1:
         _merge_kernel[(num_tokens, num_heads)](

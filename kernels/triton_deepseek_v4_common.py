@@ -17,12 +17,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def token_sequence(query_start_loc_ptr, t, num_seqs, LOG_B: tl.constexpr):
+def token_sequence(query_start_loc_ptr, t, num_seqs, log_b):
     """The sequence that owns flat token ``t``: the largest ``i < num_seqs`` with
-    ``query_start_loc[i] <= t`` (empty sequences before it are skipped), in ``LOG_B`` steps."""
+    ``query_start_loc[i] <= t`` (empty sequences before it are skipped), in ``log_b`` steps
+    (:func:`log_steps`; a run-time bound, so one compiled kernel serves every batch size)."""
     lo = t * 0
     hi = lo + num_seqs
-    for _ in range(LOG_B):
+    for _ in range(log_b):
         mid = (lo + hi) // 2
         go_right = tl.load(query_start_loc_ptr + mid) <= t
         lo = tl.where(go_right, mid, lo)
@@ -40,6 +41,20 @@ def token_position(query_start_loc_ptr, seq_lens_ptr, t, seq):
 def log_steps(num_seqs: int) -> int:
     """Binary-search steps that :func:`token_sequence` needs for ``num_seqs`` sequences."""
     return max(1, (max(num_seqs, 1)).bit_length())
+
+
+#: Integer arguments that vary with the batch: not specialised (Triton compiles a variant for
+#: values of 1 and for multiples of 16), so a decode graph of any size reuses one compiled kernel.
+BATCH_ARGS = ["t_base", "num_seqs", "log_b", "token_bucket"]
+
+
+def token_bucket(num_tokens: int) -> int:
+    """The autotuning key's token class: powers of 4 up to 4096 (1, 4, 16, 64, ...), so the decode
+    graph sizes (1, 2, 4, 8, 16, 32, 48, 64, ...) share a few tunings instead of one each."""
+    bucket = 1
+    while bucket < min(num_tokens, 4096):
+        bucket *= 4
+    return min(bucket, 4096)
 
 
 def batch_tensors(device: torch.device, query_start_loc_cpu: list[int], seq_lens_cpu: list[int],

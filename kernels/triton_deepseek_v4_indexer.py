@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_deepseek_v4_common import (batch_tensors, log_steps, next_power_of_2,
-                                               token_position, token_sequence)
+from kernels.triton_deepseek_v4_common import (BATCH_ARGS, batch_tensors, log_steps, next_power_of_2,
+                                               token_bucket, token_position, token_sequence)
 from kernels.triton_support import INTERPRET, exact_dot, autotune_configs, check_last_dim_contiguous, num_sms
 
 _CONFIGS = [
@@ -40,19 +40,19 @@ _MIN_SPLIT_ENTRIES = 256
 
 @triton.autotune(configs=autotune_configs(_CONFIGS, triton.Config({"BLOCK_E": 16}, num_warps=4,
                                                                   num_stages=1)),
-                 key=["HEAD_DIM", "BLOCK_H", "PAGE", "NUM_SPLITS", "token_bucket"])
-@triton.jit
+                 key=["HEAD_DIM", "BLOCK_H", "PAGE", "NUM_SPLITS", "token_bucket"], cache_results=True)
+@triton.jit(do_not_specialize=BATCH_ARGS)
 def _indexer_scores_kernel(
     q_ptr, w_ptr, k_ptr, tables_ptr, query_start_loc_ptr, seq_lens_ptr, scores_ptr,
-    t_base, num_seqs, num_heads, ratio, scale, token_bucket,
+    t_base, num_seqs, log_b, num_heads, ratio, scale, token_bucket,
     stride_qt, stride_qh, stride_wt, stride_kb, stride_ke, stride_tab, stride_st,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, LOG_B: tl.constexpr, UPCAST: tl.constexpr, BLOCK_E: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     row = tl.program_id(0) // NUM_SPLITS  # scratch row
     split = tl.program_id(0) % NUM_SPLITS
     t = t_base + row
-    seq = token_sequence(query_start_loc_ptr, t, num_seqs, LOG_B)
+    seq = token_sequence(query_start_loc_ptr, t, num_seqs, log_b)
     visible = (token_position(query_start_loc_ptr, seq_lens_ptr, t, seq) + 1) // ratio
     part = tl.cdiv(tl.cdiv(visible, NUM_SPLITS), BLOCK_E) * BLOCK_E
     start = split * part
@@ -90,14 +90,13 @@ def _order_keys(x):
     return bits ^ flip
 
 
-@triton.jit
-def _topk_kernel(scores_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, t_base, num_seqs, ratio,
-                 topk, stride_st, stride_ot, LOG_B: tl.constexpr, BLOCK: tl.constexpr,
-                 ONE_TILE: tl.constexpr):
+@triton.jit(do_not_specialize=BATCH_ARGS)
+def _topk_kernel(scores_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, t_base, num_seqs, log_b, ratio,
+                 topk, stride_st, stride_ot, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
     """``ONE_TILE``: every row fits one ``BLOCK`` (its keys stay in registers for all 32 steps)."""
     row = tl.program_id(0)
     t = t_base + row
-    seq = token_sequence(query_start_loc_ptr, t, num_seqs, LOG_B)
+    seq = token_sequence(query_start_loc_ptr, t, num_seqs, log_b)
     visible = (token_position(query_start_loc_ptr, seq_lens_ptr, t, seq) + 1) // ratio
     need = tl.minimum(topk, visible)
     scores = scores_ptr + row.to(tl.int64) * stride_st
@@ -185,16 +184,16 @@ def indexer_topk_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: tor
         rows = min(chunk, num_tokens - t_base)
         _indexer_scores_kernel[(rows * splits,)](
             q, weights, index_cache, index_tables, qsl, lens, scores,
-            t_base, num_seqs, num_heads, compress_ratio, scale, min(next_power_of_2(rows), 4096),
+            t_base, num_seqs, log_b, num_heads, compress_ratio, scale, token_bucket(rows),
             q.stride(0), q.stride(1), weights.stride(0), index_cache.stride(0),
             index_cache.stride(1), index_tables.stride(0), scores.stride(0),
             HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
             BLOCK_H=max(16, next_power_of_2(num_heads)), PAGE=index_cache.shape[1],
-            NUM_SPLITS=splits, LOG_B=log_b, UPCAST=INTERPRET,
+            NUM_SPLITS=splits, UPCAST=INTERPRET,
         )
         _topk_kernel[(rows,)](
-            scores, out, qsl, lens, t_base, num_seqs, compress_ratio, topk, scores.stride(0),
-            out.stride(0), LOG_B=log_b, BLOCK=topk_block, ONE_TILE=max_entries <= topk_block,
+            scores, out, qsl, lens, t_base, num_seqs, log_b, compress_ratio, topk, scores.stride(0),
+            out.stride(0), BLOCK=topk_block, ONE_TILE=max_entries <= topk_block,
             num_warps=4 if topk_block <= 1024 else 8,
         )
     return out

@@ -99,7 +99,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, str
 _autotuned = triton.autotune(
     configs=autotune_configs(_configs(), triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4)),
     key=["N", "K", "BLOCK_M", "GATED"],
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": _prune}, cache_results=True,
 )(_skinny_linear_kernel)
 
 

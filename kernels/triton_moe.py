@@ -140,7 +140,7 @@ def _fp4_out_scale(gs_ptr, expert, stride_gs, FMT: tl.constexpr):
 
 
 @triton.autotune(configs=autotune_configs(_gemm_configs(), _INTERPRETED), key=_KEY,
-                 prune_configs_by={"early_config_prune": _prune_w13}, do_bench=_bench_config)
+                 prune_configs_by={"early_config_prune": _prune_w13}, do_bench=_bench_config, cache_results=True)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _w13_swiglu_kernel(
@@ -186,7 +186,7 @@ def _w13_swiglu_kernel(
 
 
 @triton.autotune(configs=autotune_configs(_gemm_configs(), _INTERPRETED), key=_KEY,
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_config)
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_config, cache_results=True)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _w2_kernel(

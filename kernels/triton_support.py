@@ -35,7 +35,9 @@ def exact_dot(a, b, acc=None):
 
 def autotune_configs(configs: list[triton.Config], interpreted: triton.Config) -> list[triton.Config]:
     """The configs to autotune over: ``configs`` on a GPU, exactly ``interpreted`` under the
-    interpreter (where benchmarking is meaningless and every config costs test time)."""
+    interpreter (where benchmarking is meaningless and every config costs test time). Every
+    autotuner here keeps its results on disk (``cache_results``, beside Triton's compile cache):
+    a replica that restarts on the same machine neither compiles nor benchmarks again."""
     return [interpreted] if INTERPRET else configs
 
 

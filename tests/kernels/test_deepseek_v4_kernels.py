@@ -256,21 +256,21 @@ def _portability_cases() -> list[tuple[str, object, tuple[object, ...], dict[str
     for comp, topk, splits in ((False, False, 1), (True, True, 4), (True, False, 1)):
         cases.append((f"v4_attention_{'topk' if topk else 'all' if comp else 'window'}_s{splits}",
                       attention._sparse_attention_kernel,
-                      (q, cache, table, cache, table, picks, sinks, loc, loc, q, part, part, 128, 64, 128, 4,
+                      (q, cache, table, cache, table, picks, sinks, loc, loc, q, part, part, 128, 8, 64, 128, 4,
                        512, 0.1, 128, 32768, 512, 32768, 512, 300, 8192, 512, 300, 512, 32768, 512),
                       dict(HEAD_DIM=512, BLOCK_D=512, WIN_PAGE=64, COMP_PAGE=16, HAS_COMP=comp, HAS_TOPK=topk,
-                           NUM_SPLITS=splits, LOG_B=8, UPCAST=False)))
+                           NUM_SPLITS=splits, UPCAST=False)))
     cases.append(("v4_attention_merge", attention._merge_kernel, (part, part, sinks, q, 64, 32768, 512),
                   dict(HEAD_DIM=512, BLOCK_D=512, NUM_SPLITS=4, BLOCK_S=4, num_warps=4)))
     iq, icache, scores = t(128, 64, 128), t(4096, 16, 128), t(128, 2048, dtype=f32)
     cases.append(("v4_indexer_scores", indexer._indexer_scores_kernel,
-                  (iq, t(128, 64, dtype=f32), icache, table, loc, loc, scores, 0, 128, 64, 4, 0.1, 128, 8192,
+                  (iq, t(128, 64, dtype=f32), icache, table, loc, loc, scores, 0, 128, 8, 64, 4, 0.1, 128, 8192,
                    128, 64, 2048, 128, 300, 2048),
-                  dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=64, PAGE=16, NUM_SPLITS=1, LOG_B=8, UPCAST=False)))
+                  dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=64, PAGE=16, NUM_SPLITS=1, UPCAST=False)))
     for one_tile in (True, False):
         cases.append((f"v4_indexer_topk_{'tile' if one_tile else 'tiles'}", indexer._topk_kernel,
-                      (scores, picks, loc, loc, 0, 128, 4, 512, 2048, 512),
-                      dict(LOG_B=8, BLOCK=4096, ONE_TILE=one_tile, num_warps=8)))
+                      (scores, picks, loc, loc, 0, 128, 8, 4, 512, 2048, 512),
+                      dict(BLOCK=4096, ONE_TILE=one_tile, num_warps=8)))
     return cases
 
 
