@@ -40,12 +40,12 @@ DECODE_ROWS = (("b1", 1, 512, 48), ("b32", 32, 512, 48))
 def run_gpu_tests(junit: str, timeout_s: float) -> dict[str, int]:
     """Every ``gpu``-marked test; passed / failed (failures and errors) from pytest's JUnit XML."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
-           f"--junitxml={junit}"]
+           "--durations=12", f"--junitxml={junit}"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
         print(proc.stdout[-6000:], proc.stderr[-2000:], sep="\n")
-    except subprocess.TimeoutExpired:
-        print(f"gpu tests: timed out after {timeout_s:.0f} s")
+    except subprocess.TimeoutExpired as exc:
+        print(str(exc.stdout or "")[-4000:], f"gpu tests: timed out after {timeout_s:.0f} s", sep="\n")
         return {"passed": 0, "failed": 1}
     if not os.path.exists(junit):
         return {"passed": 0, "failed": 1}
