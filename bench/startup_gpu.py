@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import shutil
 import sys
@@ -91,6 +92,9 @@ class TritonLog:
 
 
 def timed_engine(make: Any, log: TritonLog) -> dict[str, Any]:
+    import torch
+    gc.collect()  # the previous engine's KV cache back to the GPU (each sizes its cache from free memory)
+    torch.cuda.empty_cache()
     log.reset()
     start = time.perf_counter()
     engine = make()
