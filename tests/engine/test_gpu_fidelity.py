@@ -18,7 +18,7 @@ from tests.factories import make_checkpoint, mixed_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-LENGTHS = (150, 233, 407, 600)
+LENGTHS = (150, 407, 600)
 #: bf16 against float32: the largest difference in log-probability of the float32 run's five most
 #: likely first tokens (bf16 keeps 8 bits of mantissa: about 0.4% per rounding, over a few layers).
 BF16_LOGPROB_TOLERANCE = 0.15
@@ -64,6 +64,8 @@ def test_bfloat16_on_the_gpu_stays_near_float32_on_long_prompts(tmp_path, family
     worst = 0.0
     for r, g in zip(ref, got):
         want_top, got_top = r.outputs[0].logprobs[0], g.outputs[0].logprobs[0]
+        print(family, "fp32 cpu top-5", {t: round(v.logprob, 3) for t, v in want_top.items()},
+              "bf16 gpu top-5", {t: round(v.logprob, 3) for t, v in got_top.items()})
         assert set(got_top) & set(want_top), (want_top, got_top)
         for token, lp in want_top.items():
             if token in got_top:
