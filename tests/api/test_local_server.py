@@ -47,3 +47,6 @@ def test_local_server_generates(base_url):
     chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.choices[0].message.role == "assistant"
     assert "colocated" in httpx.get(f"{url}/metrics", timeout=5).text
+    graphs = [b for b in httpx.get(f"{url}/v1/backends", timeout=5).json() if b["component"] == "cuda_graphs"]
+    assert len(graphs) == 1 and graphs[0]["impl"] == "off" and graphs[0]["reason"].startswith("off: ")
+    assert "cluster:cuda_graphs_captured" in httpx.get(f"{url}/metrics", timeout=5).text

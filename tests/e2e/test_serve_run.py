@@ -4,6 +4,7 @@ serves the embedded default model (SmolLM2) disaggregated on this CPU machine at
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -68,3 +69,9 @@ def test_default_app_answers_the_openai_client(served):
     assert streamed == reply.choices[0].message.content
     backends = httpx.get(f"{BASE}/v1/backends", timeout=10).json()
     assert {b["role"] for b in backends} >= {"prefill", "decode"}
+    # Whether decode runs as CUDA graphs, per replica, with the reason when it does not.
+    graphs = {b["role"]: b for b in backends if b["component"] == "cuda_graphs"}
+    assert graphs["decode"]["impl"] == "off" and "the device is cpu" in graphs["decode"]["reason"]
+    assert "prefill role" in graphs["prefill"]["reason"]
+    metrics = httpx.get(f"{BASE}/metrics", timeout=10).text
+    assert re.search(r'^cluster:cuda_graphs_captured\{replica="[^"]+",role="decode"\} 0\.0$', metrics, re.M), metrics
