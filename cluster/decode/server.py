@@ -16,6 +16,7 @@ from ray import serve
 
 from cluster.common.messages import GenerateRequest, PrefillRequest, PrefillResult, ReplicaStats, StepOutput
 from cluster.common.reporting import report_forever, routing_stats
+from cluster.common.serve_routing import own_routing_id
 from cluster.config import ClusterConfig
 from cluster.decode.worker import DecodeWorker
 
@@ -47,6 +48,7 @@ class DecodeServer:
 
     async def _call_prefill(self, request: PrefillRequest) -> PrefillResult:
         assert self.prefill is not None
+        own_routing_id()  # this replica's concurrent prefill calls are each routed on their own
         response = self.prefill.prefill.remote(request)
         try:
             return await response

@@ -17,6 +17,7 @@ from cluster.api.server import build_openai_app
 from cluster.common.block_hash import hash_token_blocks
 from cluster.common.errors import OverloadedError
 from cluster.common.messages import GenerateRequest, ReplicaStats, StepOutput
+from cluster.common.serve_routing import own_routing_id
 from cluster.config import ClusterConfig
 from cluster.models.registry import load_tokenizer, served_name
 from cluster.models.tokenizer import Tokenizer
@@ -58,6 +59,7 @@ class Ingress:
             raise OverloadedError(f"{self._inflight} requests in flight; try again later")
         self._inflight += 1
         try:
+            own_routing_id()  # one HTTP request makes a decode call per sample: each is routed on its own
             self._route(request)
             for attempt in range(DECODE_RETRIES):
                 started = False
