@@ -4,7 +4,10 @@ Serve's routers read, and the loop that pushes reports to the ClusterState deplo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -12,6 +15,8 @@ from cluster.common.messages import ReplicaStats
 
 logger = logging.getLogger(__name__)
 REPORT_PERIOD_S = 0.5
+#: An unchanged report is sent again after this long (ClusterState forgets a replica after 10 s).
+HEARTBEAT_S = 2.0
 #: A report not answered in this long is abandoned (the next one is sent on schedule).
 _REPORT_TIMEOUT_S = 5.0
 
@@ -39,12 +44,17 @@ def routing_stats(stats: ReplicaStats) -> dict[str, Any]:
 
 
 async def report_forever(state: Any, stats: Callable[[], Awaitable[ReplicaStats]],
-                         backends: Callable[[], list[dict[str, Any]]], period_s: float = REPORT_PERIOD_S) -> None:
-    """Push this replica's stats and kernel table to ClusterState every ``period_s``, for ever."""
+                         backends: Callable[[], list[dict[str, Any]]], period_s: float = REPORT_PERIOD_S,
+                         heartbeat_s: float = HEARTBEAT_S) -> None:
+    """Push this replica's stats and kernel table to ClusterState every ``period_s`` while they
+    change, and at least every ``heartbeat_s`` (an idle replica costs next to no CPU; ClusterState
+    drops replicas silent for longer), for ever."""
     failing = False
+    last: tuple[ReplicaStats | None, float] = (None, -math.inf)
     while state is not None:
         try:
-            await asyncio.wait_for(_report_once(state, stats, backends), timeout=_REPORT_TIMEOUT_S)
+            last = await asyncio.wait_for(_report_once(state, stats, backends, last, heartbeat_s),
+                                          timeout=_REPORT_TIMEOUT_S)
             failing = False
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - metrics must never take the replica down
             task = asyncio.current_task()
@@ -57,5 +67,21 @@ async def report_forever(state: Any, stats: Callable[[], Awaitable[ReplicaStats]
 
 
 async def _report_once(state: Any, stats: Callable[[], Awaitable[ReplicaStats]],
-                       backends: Callable[[], list[dict[str, Any]]]) -> None:
-    await state.report.remote(await stats(), backends())
+                       backends: Callable[[], list[dict[str, Any]]], last: tuple[ReplicaStats | None, float],
+                       heartbeat_s: float) -> tuple[ReplicaStats | None, float]:
+    """Sends the stats unless they equal the last ones sent (timestamps aside) and a heartbeat is
+    not yet due; returns what was last sent and when."""
+    current, now = await stats(), time.monotonic()
+    previous, sent_at = last
+    if now - sent_at < heartbeat_s and _unchanged(current, previous):
+        return last
+    await state.report.remote(current, backends())
+    return current, now
+
+
+def _unchanged(current: ReplicaStats, previous: ReplicaStats | None) -> bool:
+    if previous is None:
+        return False
+    if isinstance(current, ReplicaStats) and isinstance(previous, ReplicaStats):
+        current = dataclasses.replace(current, timestamp=previous.timestamp)
+    return bool(current == previous)

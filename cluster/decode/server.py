@@ -109,7 +109,27 @@ class DecodeServer:
 def _transfer_options(config: ClusterConfig) -> dict[str, Any]:
     if config.transfer.backend == "nccl":
         return {"host": ray.util.get_node_ip_address(), "timeout_s": config.transfer.timeout_s}
+    if config.transfer.backend == "auto":
+        return {"remote_peers": OtherNodes()}
     return {}
+
+
+class OtherNodes:
+    """Whether the Ray cluster has an alive node besides this one (``auto`` starts NIXL only then),
+    asked of Ray at most every ``period_s``."""
+
+    def __init__(self, period_s: float = 10.0) -> None:
+        self.period_s = period_s
+        self._checked = -math.inf
+        self._answer = False
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked >= self.period_s:
+            here = ray.get_runtime_context().get_node_id()
+            self._answer = any(n["Alive"] and n["NodeID"] != here for n in ray.nodes())
+            self._checked = now
+        return self._answer
 
 
 class LatencyWindow:

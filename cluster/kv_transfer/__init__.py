@@ -47,7 +47,8 @@ class KVStorage:
             return LocalBackend(kv_caches, specs, self.engine_id, self.node_id)
         if name == "auto":
             from cluster.kv_transfer.auto import AutoBackend
-            return AutoBackend(kv_caches, specs, self.engine_id, self.node_id, shm_segments=self._segments)
+            return AutoBackend(kv_caches, specs, self.engine_id, self.node_id, shm_segments=self._segments,
+                               remote_peers=self.options.get("remote_peers"))
         if name == "ipc":
             from cluster.kv_transfer.ipc import IPCBackend
             return IPCBackend(kv_caches, specs, self.engine_id, self.node_id, shm_segments=self._segments)

@@ -1,11 +1,17 @@
 """``auto``: the transport is chosen per prefill/decode pair: ``ipc`` (CUDA IPC or shared memory,
-one copy at memory speed) when the receiver is on this node, ``nixl`` otherwise. Every worker
-registers its KV memory with both, and its endpoint carries both descriptions; the sender picks
+one copy at memory speed) when the receiver is on this node, ``nixl`` otherwise. The sender picks
 by comparing the receiver's node with its own, and the receiver learns the sender's node from
-the prefill result, so it knows whether to wait for NIXL's notification."""
+the prefill result, so it knows whether to wait for NIXL's notification.
+
+NIXL is started only when a peer on another node can exist: a NIXL agent's UCX progress threads
+poll the CPU while it lives (about 1.5 of 2 cores on an idle single-node service), so a sender
+creates its agent at its first cross-node send, and a receiver when ``remote_peers()`` says the
+cluster has another node (its endpoint then carries the agent's description as well as ipc's)."""
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -23,18 +29,31 @@ class AutoBackend(KVTransferBackend):
     name = "auto"
 
     def __init__(self, kv_caches: list[torch.Tensor], specs: list[KVGroupSpec], engine_id: str,
-                 node_id: str = "", shm_segments: list[shared_memory.SharedMemory] | None = None) -> None:
+                 node_id: str = "", shm_segments: list[shared_memory.SharedMemory] | None = None,
+                 remote_peers: Callable[[], bool] | None = None) -> None:
         super().__init__(kv_caches, specs, engine_id, node_id)
         self.ipc = IPCBackend(kv_caches, specs, engine_id, node_id, shm_segments=shm_segments)
         self.nixl: KVTransferBackend | None = None
-        try:
-            from cluster.kv_transfer.nixl import NIXLBackend
-            self.nixl = NIXLBackend(kv_caches, specs, engine_id, node_id)
-        except (KVTransferError, RuntimeError, OSError) as exc:  # ipc still serves this node
-            logger.warning("NIXL unavailable (%s): KV moves only between workers on one node", exc)
+        self._nixl_error: str | None = None
+        self._remote_peers = remote_peers or (lambda: False)
+        self._lock = threading.Lock()
+
+    def _start_nixl(self) -> KVTransferBackend | None:
+        """The NIXL backend, created on first need (None, logged once, where NIXL cannot start)."""
+        with self._lock:
+            if self.nixl is None and self._nixl_error is None:
+                try:
+                    from cluster.kv_transfer.nixl import NIXLBackend
+                    self.nixl = NIXLBackend(self.kv_caches, self.specs, self.engine_id, self.node_id)
+                    logger.info("NIXL agent started for %s (a peer on another node)", self.engine_id)
+                except (KVTransferError, RuntimeError, OSError) as exc:  # ipc still serves this node
+                    self._nixl_error = str(exc)
+                    logger.warning("NIXL unavailable (%s): KV moves only between workers on one node", exc)
+            return self.nixl
 
     def _endpoint_info(self) -> dict[str, Any]:
-        return {"ipc": self.ipc.endpoint(), "nixl": None if self.nixl is None else self.nixl.endpoint()}
+        nixl = self.nixl if self.nixl is not None or not self._remote_peers() else self._start_nixl()
+        return {"ipc": self.ipc.endpoint(), "nixl": None if nixl is None else nixl.endpoint()}
 
     def _path(self, node: str | None) -> tuple[str, KVTransferBackend | None]:
         if not node or not self.node_id or node == self.node_id:
@@ -43,6 +62,8 @@ class AutoBackend(KVTransferBackend):
 
     def _send(self, dest: TransferEndpoint, request_key: str, copies: list[BlockCopy], last: bool) -> int:
         path, backend = self._path(dest.node_id)
+        if path == "nixl" and backend is None:
+            backend = self._start_nixl()
         inner = dest.info.get(path)
         if backend is None or inner is None:
             raise KVTransferError(f"receiver {dest.engine_id} is on another node and NIXL is not available "

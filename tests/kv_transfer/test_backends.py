@@ -132,8 +132,8 @@ def test_auto_uses_ipc_on_one_node_and_nixl_across_nodes():
     from tests.kv_transfer.workers import NUM_BLOCKS, SPECS
     from cluster.kv_transfer import KVStorage
 
-    def auto(engine_id: str, node: str, fill: float | None):
-        storage = KVStorage("auto", engine_id, node)
+    def auto(engine_id: str, node: str, fill: float | None, remote_peers: bool = False):
+        storage = KVStorage("auto", engine_id, node, remote_peers=lambda: remote_peers)
         caches = storage.allocate(SPECS, NUM_BLOCKS, torch.device("cpu"), [torch.float32, torch.bfloat16])
         if fill is not None:
             for t in caches:
@@ -142,8 +142,11 @@ def test_auto_uses_ipc_on_one_node_and_nixl_across_nodes():
 
     tag = uuid.uuid4().hex[:6]
     sender = auto(f"p-{tag}", "node-a", 5)
-    near, far = auto(f"d1-{tag}", "node-a", None), auto(f"d2-{tag}", "node-b", None)
+    near, far = auto(f"d1-{tag}", "node-a", None), auto(f"d2-{tag}", "node-b", None, remote_peers=True)
     try:
+        # NIXL (whose UCX threads poll a core) only where a peer on another node exists
+        assert sender.nixl is None and near.nixl is None and near.endpoint().info["nixl"] is None
+        assert far.endpoint().info["nixl"] is not None and far.nixl is not None
         for receiver in (near, far):
             sender.send(receiver.endpoint(), f"k-{receiver.engine_id}", copies(), last=True)
             receiver.wait_received(f"k-{receiver.engine_id}", 10.0, sender_node="node-a")
