@@ -25,8 +25,9 @@ class EngineClient(Protocol):
         iteration (client disconnect) aborts the sample everywhere."""
         ...
 
-    async def check_health(self) -> None:
-        """Raise if the service cannot take requests."""
+    async def health(self) -> None:
+        """Raise if the service cannot take requests (GET /health). Answers from what the client
+        already knows: it never waits on a busy replica."""
         ...
 
     async def replica_stats(self) -> list[ReplicaStats]:

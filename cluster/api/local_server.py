@@ -58,7 +58,7 @@ class LocalEngineClient:
         finally:
             self._inflight -= 1
 
-    async def check_health(self) -> None:
+    async def health(self) -> None:
         if self.engine.dead is not None:
             raise RuntimeError(f"engine loop stopped: {self.engine.dead}")
 

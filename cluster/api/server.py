@@ -140,7 +140,7 @@ def build_openai_app(client: EngineClient, *, max_body_bytes: int, served_model_
     @app.get("/health")
     async def health() -> Response:
         try:
-            await client.check_health()
+            await client.health()
         except Exception as exc:
             logger.warning("health check failed: %r", exc)
             message = exc.message if isinstance(exc, ClusterError) else "service unavailable"

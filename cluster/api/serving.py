@@ -11,12 +11,16 @@ followed by ``data: [DONE]``.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -32,6 +36,9 @@ from cluster.common.block_hash import hash_token_blocks
 from cluster.common.errors import ClusterError, InvalidRequestError
 from cluster.common.messages import GenerateRequest, StepOutput
 from cluster.common.sampling_params import SamplingParams
+
+#: Threads that tokenise and apply chat templates (per front-end process).
+TOKENIZE_THREADS = 2
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +83,10 @@ class OpenAIServing:
         self.request_timeout_s = request_timeout_s
         self.texts = TokenTexts(client.tokenizer)
         self.texts_as_ids = TokenTexts(client.tokenizer, as_ids=True)
+        # Tokenising and templating run here, off the event loop, a few at a time: a large
+        # prompt must not freeze every other request and /health.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self._max_token_bytes: int | None = None
 
     def check_model(self, model: str) -> None:
         if model not in self.accepted_names:
@@ -87,7 +98,7 @@ class OpenAIServing:
     async def completions(self, request: CompletionRequest, request_id: str) -> Response:
         self.check_model(request.model)
         params = request.to_sampling_params(self.request_timeout_s)
-        prompts = self._completion_prompts(request)
+        prompts = await self._completion_prompts(request)
         texts = self.texts_as_ids if request.return_tokens_as_token_ids else self.texts
         fmt = CompletionFormat(request_id, int(time.time()), self.model_name, texts, request.logprobs)
         return await self._serve(request_id, prompts, params, "prompt", fmt, request.stream,
@@ -99,8 +110,9 @@ class OpenAIServing:
         messages = [m.to_template_dict() for m in request.messages]
         tokenizer = self.client.tokenizer
         # The template writes the special tokens itself (BOS included), as transformers assumes.
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
-        prompt = Prompt(tokenizer.encode(text, add_special_tokens=False), text)
+        text = await self._off_loop(tokenizer.apply_chat_template, messages,
+                                    add_generation_prompt=request.add_generation_prompt)
+        prompt = Prompt(await self._encode(text, "messages", add_special_tokens=False), text)
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         texts = self.texts_as_ids if request.return_tokens_as_token_ids else self.texts
         fmt = ChatFormat(request_id, int(time.time()), self.model_name, texts, num_top)
@@ -109,13 +121,33 @@ class OpenAIServing:
 
     # --- preparing samples --------------------------------------------------------------------------
 
-    def _completion_prompts(self, request: CompletionRequest) -> list[Prompt]:
+    async def _off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool,
+                                                                functools.partial(fn, *args, **kwargs))
+
+    async def _encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
+        """Token ids of ``text``, in the tokenising threads. A text too long for the context by its
+        length alone (more bytes than ``max_model_len`` of the longest token could hold) is
+        refused before it is tokenised."""
+        limit = self.client.max_model_len
+        if len(text) > limit:  # cheap first: a char is at least one byte
+            if self._max_token_bytes is None:
+                self._max_token_bytes = await self._off_loop(_max_token_bytes, self.client.tokenizer)
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > limit * self._max_token_bytes:
+                raise InvalidRequestError(
+                    f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                    f"{size} bytes, at least {size // self._max_token_bytes} tokens. Please reduce the "
+                    "length of the prompt.", param=param, code="context_length_exceeded")
+        return list(await self._off_loop(self.client.tokenizer.encode, text, **kwargs))
+
+    async def _completion_prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompts: list[Prompt] = []
         # The model's vocabulary is authoritative (it may be padded beyond the tokenizer's).
         vocab = int(getattr(self.client, "vocab_size", 0) or self.client.tokenizer.vocab_size)
         for p in request.prompts():
             if isinstance(p, str):
-                prompts.append(Prompt(self.client.tokenizer.encode(p), p))
+                prompts.append(Prompt(await self._encode(p, "prompt"), p))
                 continue
             bad = next((t for t in p if not 0 <= t < vocab), None)
             if bad is not None:
@@ -231,3 +263,12 @@ def _apply(choice: ChoiceState, out: StepOutput, *, keep_logprobs: bool) -> bool
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _max_token_bytes(tokenizer: Any) -> int:
+    """UTF-8 bytes of the vocabulary's longest token (special tokens included)."""
+    longest = 1
+    for token_id in range(tokenizer.vocab_size):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        longest = max(longest, len(text.encode("utf-8", "surrogatepass")))
+    return longest

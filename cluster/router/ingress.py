@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +16,7 @@ from ray import serve
 
 from cluster.api.server import build_openai_app
 from cluster.common.block_hash import hash_token_blocks
-from cluster.common.errors import OverloadedError
+from cluster.common.errors import EngineDeadError, OverloadedError
 from cluster.common.messages import GenerateRequest, ReplicaStats, StepOutput
 from cluster.common.serve_routing import own_routing_id
 from cluster.config import ClusterConfig
@@ -26,6 +27,11 @@ logger = logging.getLogger(__name__)
 #: Leading prompt blocks hashed for prefix affinity.
 AFFINITY_BLOCKS = 64
 DECODE_RETRIES = 3
+#: The cluster view (ClusterState's replica reports) is refreshed this often, each try bounded.
+SNAPSHOT_PERIOD_S, SNAPSHOT_TIMEOUT_S = 1.0, 5.0
+#: /health answers 503 once no decode replica has reported for this long (ClusterState drops a
+#: replica 10 s after its last report).
+DECODE_SILENT_S = 15.0
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
@@ -44,6 +50,10 @@ class Ingress:
         self.vocab_size = int(info["vocab_size"])
         self.model_name = config.served_model_name or served_name(config.model.model)
         self._inflight = 0
+        self._snapshot: list[ReplicaStats] = []
+        self._started = time.monotonic()
+        self._refresher = (asyncio.get_running_loop().create_task(self._refresh_forever())
+                           if state is not None else None)
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_openai_app(self, max_body_bytes=self.config.max_body_bytes,
@@ -87,12 +97,31 @@ class Ingress:
             request.block_hashes = hash_token_blocks(request.prompt_token_ids[: AFFINITY_BLOCKS * bs], bs)
 
     async def check_health(self) -> None:
-        await asyncio.wait_for(self.decode.info.remote(), 10.0)
+        """Serve's health check of this replica: its own state only. It never waits on another
+        deployment, so a busy decode replica cannot get the HTTP front end restarted."""
+        if self._refresher is not None and self._refresher.done() and not self._refresher.cancelled():
+            raise RuntimeError(f"the ingress's cluster view stopped: {self._refresher.exception()!r}")
+
+    async def health(self) -> None:
+        """GET /health, from the cluster view this replica keeps (refreshed in the background):
+        unavailable while no decode replica has reported for ``DECODE_SILENT_S``."""
+        if self.state is None:
+            return
+        decode = [s for s in self._snapshot if s.role == "decode"]
+        if not decode and time.monotonic() - self._started > DECODE_SILENT_S:
+            raise EngineDeadError(f"no decode replica has reported in the last {DECODE_SILENT_S:.0f} s")
 
     async def replica_stats(self) -> list[ReplicaStats]:
-        if self.state is None:
-            return []
-        return list(await self.state.snapshot.remote())
+        return list(self._snapshot)
+
+    async def _refresh_forever(self) -> None:
+        """Keep the latest replica reports from ClusterState (for /health and /metrics)."""
+        while True:
+            try:
+                self._snapshot = list(await asyncio.wait_for(self.state.snapshot.remote(), SNAPSHOT_TIMEOUT_S))
+            except (Exception, asyncio.TimeoutError) as exc:  # noqa: BLE001 - keep the last view, retry
+                logger.debug("cluster snapshot failed: %r", exc)
+            await asyncio.sleep(SNAPSHOT_PERIOD_S)
 
     async def backends(self) -> list[dict[str, Any]]:
         if self.state is None:

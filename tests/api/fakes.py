@@ -141,7 +141,7 @@ class FakeEngineClient:
             out.append(entry)
         return out
 
-    async def check_health(self) -> None:
+    async def health(self) -> None:
         if self.health_error is not None:
             raise self.health_error
 
