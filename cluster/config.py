@@ -135,6 +135,11 @@ class ClusterConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     #: Requests in flight at the ingress before new ones get 503.
     max_inflight_requests: int = 512
+    #: API keys (comma-separated; env ``CLUSTER_API_KEY``): when set, every ``/v1/*`` request
+    #: needs ``Authorization: Bearer <one of them>`` (401 otherwise); ``/health`` stays open.
+    api_key: str | None = None
+    #: Origins allowed by CORS (comma-separated, ``*`` for any); None: no CORS headers.
+    cors_allow_origins: str | None = None
     #: Let the planner (cluster.router.planner) change each role's replica count between these
     #: bounds, keeping p90 TTFT and inter-token latency under their targets.
     autoscale: bool = False

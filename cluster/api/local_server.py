@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     client = LocalEngineClient(config)
     app = build_openai_app(client, max_body_bytes=config.max_body_bytes, served_model_name=client.model_name,
                            request_timeout_s=config.request_timeout_s, block_size=config.cache.block_size,
-                           model_aliases=() if config.served_model_name else (config.model.model,))
+                           model_aliases=() if config.served_model_name else (config.model.model,),
+                           api_keys=config.api_key, cors_allow_origins=config.cors_allow_origins)
     import uvicorn
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -14,6 +14,7 @@ the engine aborts them.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from cluster.api.client import EngineClient
@@ -105,11 +107,14 @@ async def _respond(route: str, metrics: ServerMetrics, call: Callable[[], Awaita
 
 def build_openai_app(client: EngineClient, *, max_body_bytes: int, served_model_name: str | None = None,
                      request_timeout_s: float | None = None, block_size: int = 16,
-                     model_aliases: tuple[str, ...] = ()) -> FastAPI:
+                     model_aliases: tuple[str, ...] = (), api_keys: str | None = None,
+                     cors_allow_origins: str | None = None) -> FastAPI:
     """The OpenAI HTTP app serving ``client``. ``request_timeout_s`` caps every request's
     deadline (a request's own ``timeout`` may only shorten it); ``block_size`` is the KV block
     size of the prompt block hashes sent for prefix-cache routing; ``model_aliases``: other
-    names requests may give for the model (answers carry the served name)."""
+    names requests may give for the model (answers carry the served name); ``api_keys``
+    (comma-separated): required as ``Authorization: Bearer <key>`` on ``/v1/*``;
+    ``cors_allow_origins`` (comma-separated): origins CORS allows."""
     metrics = ServerMetrics()
     serving = OpenAIServing(client, metrics, model_name=served_model_name or client.model_name,
                             block_size=block_size, request_timeout_s=request_timeout_s, aliases=model_aliases)
@@ -117,6 +122,12 @@ def build_openai_app(client: EngineClient, *, max_body_bytes: int, served_model_
     app.state.serving = serving
     app.state.metrics = metrics
     _install_error_handlers(app)
+    keys = _split(api_keys)
+    if keys:
+        app.add_middleware(RequireAPIKey, keys=keys)
+    origins = _split(cors_allow_origins)
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -185,3 +196,31 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, request_validation)
     app.add_exception_handler(ClusterError, cluster_error)
+
+
+def _split(values: str | None) -> list[str]:
+    return [v.strip() for v in (values or "").split(",") if v.strip()]
+
+
+class RequireAPIKey:
+    """ASGI middleware: ``/v1/*`` requests need ``Authorization: Bearer <key>`` with one of
+    ``keys`` (compared in constant time), else 401 with an OpenAI error body. CORS preflights
+    (OPTIONS) and the other routes (``/health``, ``/metrics``) pass."""
+
+    def __init__(self, app: Any, keys: list[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer" and any(hmac.compare_digest(token.strip(), k) for k in self.keys):
+            await self.app(scope, receive, send)
+            return
+        body = {"error": {"message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                          "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)

@@ -60,7 +60,8 @@ class Ingress:
                                 served_model_name=self.model_name,
                                 request_timeout_s=self.config.request_timeout_s,
                                 block_size=self.config.cache.block_size,
-                                model_aliases=() if self.config.served_model_name else (self.config.model.model,))
+                                model_aliases=() if self.config.served_model_name else (self.config.model.model,),
+                                api_keys=self.config.api_key, cors_allow_origins=self.config.cors_allow_origins)
 
     # --- EngineClient ----------------------------------------------------------------------------
 

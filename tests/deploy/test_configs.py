@@ -80,7 +80,7 @@ def test_serve_yaml_splits_one_8_gpu_node():
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(load("serve.yaml"))
-    assert schema.http_options.host == "0.0.0.0" and schema.http_options.port == 8000
+    assert schema.http_options.host == "127.0.0.1" and schema.http_options.port == 8000  # see deploy/README.md
     _, config = app_config("serve.yaml")
     assert config.num_gpus == 1 and config.prefill_replicas > 0 and config.decode_replicas > 0
     assert (config.prefill_replicas + config.decode_replicas) * config.num_gpus == GPUS_PER_NODE
