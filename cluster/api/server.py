@@ -148,6 +148,14 @@ def build_openai_app(client: EngineClient, *, max_body_bytes: int, served_model_
         card = ModelCard(id=serving.model_name, root=client.model_name, max_model_len=client.max_model_len)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        async def call() -> Response:
+            serving.check_model(model_id)
+            card = ModelCard(id=serving.model_name, root=client.model_name, max_model_len=client.max_model_len)
+            return Response(card.model_dump_json(), media_type="application/json")
+        return await _respond("/v1/models/{id}", metrics, call)
+
     @app.get("/health")
     async def health() -> Response:
         try:

@@ -33,7 +33,7 @@ from cluster.api.responses import ChatFormat, ChoiceState, CompletionFormat, usa
 from cluster.api.sample_streams import SampleStreams
 from cluster.api.schemas import MAX_SAMPLES_PER_REQUEST, ChatCompletionRequest, CompletionRequest
 from cluster.common.block_hash import hash_token_blocks
-from cluster.common.errors import ClusterError, InvalidRequestError
+from cluster.common.errors import ClusterError, InvalidRequestError, ModelNotFoundError
 from cluster.common.messages import GenerateRequest, StepOutput
 from cluster.common.sampling_params import SamplingParams
 
@@ -90,8 +90,8 @@ class OpenAIServing:
 
     def check_model(self, model: str) -> None:
         if model not in self.accepted_names:
-            raise InvalidRequestError(f"The model `{model}` does not exist; this server serves "
-                                      f"`{self.model_name}`.", param="model", code="model_not_found")
+            raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves "
+                                     f"`{self.model_name}`.", param="model", code="model_not_found")
 
     # --- endpoints ------------------------------------------------------------------------------
 

@@ -35,6 +35,12 @@ class InvalidRequestError(ClusterError, ValueError):
     error_type = "invalid_request_error"
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve (404, as OpenAI answers)."""
+
+    status_code = 404
+
+
 class ModelLoadError(ClusterError):
     """A model could not be loaded: missing path, missing or mis-shaped tensor, bad file."""
 

@@ -60,7 +60,7 @@ def test_errors_are_recorded_not_raised(fake, base_url, bench):
     result = bench.run_benchmark(config)
     assert result["failed"] == 2 and result["completed"] == 0
     [(message, count)] = result["errors"].items()
-    assert count == 2 and message.startswith("HTTP 400")
+    assert count == 2 and message.startswith("HTTP 404")  # unknown model
 
 
 def test_cli_writes_json_and_plot(fake, base_url, bench, tmp_path):

@@ -104,7 +104,7 @@ def test_errors_are_counted_by_status(fake, http):
     before = scrape(http)
     http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
     after = scrape(http)
-    labels = dict(route="/v1/completions", status="400")
+    labels = dict(route="/v1/completions", status="404")
     old = value(before, "cluster:http_requests_total", **labels) if any(
         s.labels == labels for s in before.get("cluster:http_requests_total", [])) else 0
     assert value(after, "cluster:http_requests_total", **labels) == old + 1

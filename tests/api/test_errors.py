@@ -118,14 +118,23 @@ def test_wrong_types_are_400_not_422(fake, http, path, body, param):
     ("/v1/chat/completions", chat(model="nope")),
 ])
 def test_unknown_model(fake, http, path, body):
-    error = assert_error(http.post(path, json=body), 400, "invalid_request_error", "model", "model_not_found")
+    error = assert_error(http.post(path, json=body), 404, "invalid_request_error", "model", "model_not_found")
     assert "nope" in error["message"]
 
 
 def test_unknown_model_through_the_openai_client(fake, client):
-    with pytest.raises(openai.BadRequestError) as info:
+    """As OpenAI answers: 404 model_not_found (the client raises NotFoundError)."""
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="nope", prompt="hi")
-    assert info.value.status_code == 400 and info.value.code == "model_not_found" and info.value.param == "model"
+    assert info.value.status_code == 404 and info.value.code == "model_not_found" and info.value.param == "model"
+
+
+def test_retrieve_a_model(fake, client, http):
+    """GET /v1/models/{id}: the served model's card, by its name or an alias; 404 for others."""
+    assert client.models.retrieve("test-model").id == "test-model"
+    assert http.get("/v1/models/models/fake-model").json()["id"] == "test-model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
 
 
 @pytest.mark.parametrize("raw,message", [
