@@ -271,7 +271,7 @@ class LLMEngine:
         self._release_quarantine()
         self._expire_deadlines()
         if self._pipelined and self._pipeline_ready():
-            sched = self.scheduler.schedule()
+            sched = self.scheduler.schedule()  # nothing waits here, so none fails admission
             if self.runner.can_launch(sched):
                 self._launch(sched)
                 return self._collect()
@@ -281,6 +281,8 @@ class LLMEngine:
             self._complete_in_flight()
             sched = self.scheduler.schedule()
         tables = self._begin(sched)
+        for request in sched.failed:
+            self._mark_changed(request)
         if not sched.is_empty:
             self.num_sync_steps += 1
             try:

@@ -46,6 +46,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    #: Requests the scheduler ended this step (one that can never get its blocks): the engine
+    #: reports them.
+    failed: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -156,12 +159,15 @@ class Scheduler:
             c = prefix.num_tokens
             n = min(request.num_tokens - c, budget)
             if not self.kv.allocate(request.request_id, c + n, prefix):
-                if not self.running and not self.receiving:
-                    # Nothing will ever free blocks for it: evict cached blocks is implicit in the
-                    # pool; if it still does not fit, fail it instead of waiting forever.
+                if not self.kv.can_fit(request.num_tokens, self.config.max_num_batched_tokens):
+                    # Not even an empty pool holds it (a preempted request grown past the pool):
+                    # fail it instead of waiting forever. Blocks held outside the scheduler
+                    # (quarantined after a failed remote prefill, held while a prefill sends)
+                    # come back, so a request that fits an empty pool waits for them.
                     self.waiting.popleft()
                     self.finish(request, RequestStatus.FINISHED_ERROR,
                                 error="the KV cache is too small for this request")
+                    out.failed.append(request)
                     continue
                 break
             self.waiting.popleft()

@@ -5,7 +5,7 @@ import pytest
 
 from cluster import LLM, SamplingParams
 from cluster.common.errors import InvalidRequestError
-from tests.factories import make_checkpoint
+from tests.factories import make_checkpoint, mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +60,16 @@ def test_engine_keeps_serving_after_errors(llm):
     outs = llm.generate([[5, 6], [7, 8, 9]], GOOD)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     assert llm.engine.kv.usage == 0.0
+
+
+@pytest.mark.timeout(60)
+def test_a_request_the_kv_cache_can_never_hold_ends_with_an_error(tmp_path):
+    """A request that outgrows the whole pool (preempted, then too long for an empty one) ends
+    with an error output. The scheduler failed it without telling the engine, so the request
+    (and ``generate``) waited for ever."""
+    path = str(tmp_path / "llama")
+    make_checkpoint(path, "llama")
+    llm = LLM(path, block_size=4, num_kv_blocks=6, max_model_len=64, enable_prefix_caching=False)
+    out = llm.generate(mixed_prompts(300, (8,), seed=1), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert out[0].outputs[0].finish_reason == "error" and "too small" in out[0].error
+    assert llm.engine.kv.usage == 0.0 and not llm.engine.has_unfinished_requests()

@@ -4,6 +4,7 @@ block is returned on both sides."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -180,4 +181,33 @@ def test_a_malformed_prefill_request_fails_alone(model_dir):
         assert prefill.engine.dead is None and prefill.engine.engine.kv.usage == 0.0
     finally:
         prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("fill", ["full", "half"])
+def test_prefill_death_with_decode_kv_reserved_loses_nothing(model_dir, fill):
+    """The prefill replica dies while 16 remote prefills hold decode's KV (all of it, or half):
+    every request is prefilled on decode instead and answered as colocated. With the pool full,
+    the quarantined reservations left no block, and the scheduler failed the requests without
+    telling the engine: no byte reached the clients until their deadline."""
+    async def dead_prefill(request):
+        await asyncio.sleep(0.2)
+        raise ConnectionError("prefill replica died")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, deadline_s=30)
+    prompts = mixed_prompts(300, (40,) * 16, seed=5)
+    expected = [o.outputs[0].token_ids for o in LLM(model_dir, block_size=4).generate(prompts, params)]
+    per_request = 10  # 40 tokens in blocks of 4
+    blocks = 16 * per_request + 1 if fill == "full" else 32 * per_request
+    config = parse_cluster_args({"model": model_dir, "kv_transfer": "local", "block_size": 4,
+                                 "max_num_batched_tokens": 64, "num_kv_blocks": blocks}, use_env=False)
+    decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=dead_prefill)
+    try:
+        got = asyncio.run(asyncio.wait_for(run_all(decode, prompts, params, concurrency=16), 25))
+        assert got == expected and decode.remote_prefill_failures == 16
+        engine = decode.engine.engine
+        deadline = time.monotonic() + 5
+        while engine.kv.usage > 0 and time.monotonic() < deadline:  # quarantined blocks come back
+            time.sleep(0.1)
+        assert engine.kv.usage == 0.0
+    finally:
         decode.shutdown()
