@@ -90,6 +90,14 @@ class KVTransferError(ClusterError):
     error_type = "kv_transfer_error"
 
 
+class ReplicaDiedError(ClusterError):
+    """The replica serving a request died mid-way (its process was killed or crashed); the other
+    replicas go on, and a retry is routed to a live one."""
+
+    status_code = 503
+    error_type = "replica_unavailable"
+
+
 class EngineDeadError(ClusterError):
     """The engine loop stopped after an internal error; the replica must be restarted."""
 

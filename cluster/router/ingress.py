@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.api.server import build_openai_app
 from cluster.common.block_hash import hash_token_blocks
-from cluster.common.errors import EngineDeadError, OverloadedError
+from cluster.common.errors import EngineDeadError, OverloadedError, ReplicaDiedError
 from cluster.common.messages import GenerateRequest, ReplicaStats, StepOutput
 from cluster.common.serve_routing import own_routing_id
 from cluster.config import ClusterConfig
@@ -84,6 +85,17 @@ class Ingress:
                     if started or attempt == DECODE_RETRIES - 1:
                         raise
                     await asyncio.sleep(0.05 * (attempt + 1))
+                except (RayActorError, ActorUnavailableError) as exc:
+                    # The decode replica died. Before any output the sample starts again on
+                    # another replica (Serve routes around the dead one); after, the client gets
+                    # a retryable error naming what failed.
+                    logger.warning("decode replica died serving %s: %r", request.request_id, exc)
+                    if started or attempt == DECODE_RETRIES - 1:
+                        raise ReplicaDiedError(
+                            f"the decode replica serving this request died ({type(exc).__name__}); the "
+                            "service goes on with the other replicas: retry the request",
+                            code="decode_replica_died") from None
+                    await asyncio.sleep(0.5 * (attempt + 1))
                 finally:
                     response.cancel()
         finally:
