@@ -128,3 +128,19 @@ def test_serve_config_builds_its_application(name):
             assert scaling.policy.policy_kwargs["max_total_replicas"] == config.max_total_replicas
         else:
             assert scaling is None and deployment.num_replicas == replicas
+
+
+def test_serve_build_writes_a_config_of_the_default_app(tmp_path):
+    """``serve build cluster:default_app`` writes a Serve config file with the four deployments
+    (``serve build cluster:app`` cannot: Serve builds files only from a built Application, and
+    ``app`` is the builder that ``serve run cluster.app key=value`` needs)."""
+    import shutil
+    import subprocess
+    import sys
+    serve_cli = shutil.which("serve") or os.path.join(os.path.dirname(sys.executable), "serve")
+    out = tmp_path / "built.yaml"
+    subprocess.run([serve_cli, "build", "cluster:default_app", "-o", str(out)], check=True, timeout=120,
+                   capture_output=True)
+    [app] = yaml.safe_load(out.read_text())["applications"]
+    assert app["import_path"] == "cluster:default_app"
+    assert {d["name"] for d in app["deployments"]} == {"Ingress", "DecodeServer", "PrefillServer", "ClusterState"}

@@ -119,7 +119,7 @@ def test_bad_input_gets_openai_errors(cluster, model_dir):
         ({"model": name, "prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"model": name, "prompt": "hi", "n": 0}, 400, "n"),
         ({"model": name, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": "gpt-4", "prompt": "hi"}, 400, "model"),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
         ({"model": name, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
         ({"model": name, "prompt": [1, 2, 100000]}, 400, "prompt"),
     ]

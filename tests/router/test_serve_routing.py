@@ -51,18 +51,27 @@ class Parent:
 
 @pytest.fixture(scope="module")
 def serve_instance():
+    """A local Ray with Serve, or the one the end-to-end tests already started (left running)."""
     import ray
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        serve.start()
     yield
-    serve.shutdown()
-    ray.shutdown()
+    for name in APPS:
+        serve.delete(name)
+    if started:
+        serve.shutdown()
+        ray.shutdown()
+
+
+APPS = ("routing-default", "routing-inherited", "routing-own")
 
 
 def test_each_concurrent_call_under_one_request_is_routed(serve_instance):
-    default = serve.run(Parent.bind(Child.bind(), False), name="default", route_prefix=None)
+    default = serve.run(Parent.bind(Child.bind(), False), name=APPS[0], route_prefix=None)
     assert default.remote(3).result(timeout_s=30) == [0, 1, 2]
-    inherited = serve.run(Parent.bind(CustomChild.bind(), False), name="inherited", route_prefix=None)
+    inherited = serve.run(Parent.bind(CustomChild.bind(), False), name=APPS[1], route_prefix=None)
     assert inherited.remote(3).result(timeout_s=30) == "hung"  # what n=2 requests did before
-    own = serve.run(Parent.bind(CustomChild.bind(), True), name="own", route_prefix=None)
+    own = serve.run(Parent.bind(CustomChild.bind(), True), name=APPS[2], route_prefix=None)
     assert own.remote(3).result(timeout_s=30) == [0, 1, 2]
