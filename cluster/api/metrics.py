@@ -89,8 +89,10 @@ class ReplicaStatsCollector:
 
     @staticmethod
     def _extra_gauges(stats: list[ReplicaStats]) -> Iterator[Metric]:
+        """Numeric extras as gauges, or as counters where the key ends in ``_total`` (a count that
+        only grows, such as ``remote_prefill_failures_total``)."""
         reserved = {name.split(":", 1)[1] for name, _ in _REPLICA_GAUGES.values()} | set(_REPLICA_GAUGES)
-        families: dict[str, GaugeMetricFamily] = {}
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for s in stats:
             for key, value in s.extra.items():
                 if (not _METRIC_KEY.match(key) or key in reserved or isinstance(value, bool)
@@ -98,8 +100,12 @@ class ReplicaStatsCollector:
                     continue
                 family = families.get(key)
                 if family is None:
-                    family = families[key] = GaugeMetricFamily(f"cluster:{key}", f"Replica gauge {key}.",
-                                                               labels=_LABELS)
+                    if key.endswith("_total"):
+                        family = CounterMetricFamily(f"cluster:{key.removesuffix('_total')}",
+                                                     f"Replica counter {key}.", labels=_LABELS)
+                    else:
+                        family = GaugeMetricFamily(f"cluster:{key}", f"Replica gauge {key}.", labels=_LABELS)
+                    families[key] = family
                 family.add_metric([s.role, s.replica_id], float(value))
         yield from families.values()
 

@@ -53,7 +53,7 @@ class FakeEngineClient:
                          kv_cache_usage_perc=0.25, prefix_cache_hit_rate=0.5, kv_transfer_bytes_total=4096,
                          kv_transfer_seconds_total=0.5, kv_transfer_count=4, kv_transfer_failures_total=1),
             ReplicaStats(role="decode", replica_id="d0", num_requests_running=3, kv_cache_usage_perc=0.75,
-                         extra={"spec_accept_len": 2.5, "bad name": 1, "label": "x"}),
+                         extra={"spec_accept_len": 2.5, "bad name": 1, "label": "x", "remote_prefill_failures_total": 3}),
         ]
         self.backend_list: list[dict[str, Any]] = [{"replica": "d0", "op": "attention", "impl": "torch"}]
 

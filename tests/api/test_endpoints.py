@@ -89,6 +89,10 @@ def test_metrics_replica_gauges(fake, http):
     assert value(samples, "cluster:kv_transfer_seconds_count", role="prefill", replica="p0") == 4
     assert value(samples, "cluster:spec_accept_len", role="decode", replica="d0") == 2.5
     assert not any("bad" in name or name == "cluster:label" for name in samples)
+    # an extra counted up is exposed as a counter, not a gauge
+    assert value(samples, "cluster:remote_prefill_failures_total", role="decode", replica="d0") == 3
+    text = http.get("/metrics").text
+    assert "# TYPE cluster:remote_prefill_failures_total counter" in text and "# TYPE cluster:spec_accept_len gauge" in text
 
 
 def test_metrics_survive_a_failing_replica_stats(fake, http, monkeypatch):
