@@ -25,5 +25,6 @@ def own_routing_id() -> str:
 
     current = context._get_serve_request_context()
     fresh = str(uuid.uuid4())
-    context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=fresh))
+    # Ray types the variable by its default (None); it holds _RequestContext values.
+    context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=fresh))  # type: ignore[arg-type]
     return fresh

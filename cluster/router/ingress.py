@@ -116,7 +116,8 @@ class Ingress:
             raise RuntimeError(f"the ingress's cluster view stopped: {self._refresher.exception()!r}")
 
     async def health(self) -> None:
-        """GET /health, from the cluster view this replica keeps (refreshed in the background):
+        """GET /health, from the cluster view this replica keeps (refreshed in the background and by
+        /metrics):
         unavailable while no decode replica has reported for ``DECODE_SILENT_S``."""
         if self.state is None:
             return
@@ -125,6 +126,12 @@ class Ingress:
             raise EngineDeadError(f"no decode replica has reported in the last {DECODE_SILENT_S:.0f} s")
 
     async def replica_stats(self) -> list[ReplicaStats]:
+        """For /metrics: ClusterState's latest reports (the last view if it does not answer in time)."""
+        if self.state is not None:
+            try:
+                self._snapshot = list(await asyncio.wait_for(self.state.snapshot.remote(), SNAPSHOT_TIMEOUT_S))
+            except (Exception, asyncio.TimeoutError) as exc:  # noqa: BLE001 - serve the last view
+                logger.debug("cluster snapshot failed: %r", exc)
         return list(self._snapshot)
 
     async def _refresh_forever(self) -> None:
