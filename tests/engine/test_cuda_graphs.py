@@ -143,16 +143,21 @@ def test_emulated_deepseek_v4_graphs_equal_eager_and_padding_writes_nothing(tmp_
     assert all(torch.equal(cache[-1], before) for cache, before in zip(caches, last))
 
 
-def test_verify_refuses_a_graph_that_froze_its_inputs(tmp_path):
-    """``DecodeGraphs.verify`` replays the largest graph on fresh inputs against the eager forward:
-    a faithful graph passes; one whose replay returns what it computed at capture is refused."""
+def emulated_llama_graphs(tmp_path, max_num_seqs: int, **settings) -> DecodeGraphs:
+    """Emulated decode graphs of a small random Llama (float32, Triton kernels interpreted)."""
     path = str(tmp_path / "llama")
     make_checkpoint(path, "llama", max_position_embeddings=128)
     llm = LLM(path, enforce_eager=True, block_size=16, dtype="float32", attention_backend="triton",
-              max_num_seqs=2, max_model_len=128)
-    runner = llm.engine.runner
-    assert runner.capture_cuda_graphs(2, 128, emulate=True).captured
-    graphs = runner.graphs
+              max_num_seqs=max_num_seqs, max_model_len=128, **settings)
+    status = llm.engine.runner.capture_cuda_graphs(max_num_seqs, 128, emulate=True)
+    assert status.captured, status.describe()
+    return llm.engine.runner.graphs
+
+
+def test_verify_refuses_a_graph_that_froze_its_inputs(tmp_path):
+    """``DecodeGraphs.verify`` replays the largest graph on fresh inputs against the eager forward:
+    a faithful graph passes; one whose replay returns what it computed at capture is refused."""
+    graphs = emulated_llama_graphs(tmp_path, 2)
     assert graphs.verify() == 2
 
     class Frozen:
@@ -193,15 +198,9 @@ def test_verify_gives_every_row_its_own_kv_slots(tmp_path):
     """The self-check after capture must not race: on a GPU the rows of a batch run at once, and a
     check whose rows all wrote slot 0 of one block compared whichever row won (it differed
     between the eager run and the replay, and turned decode graphs off on every GPU). A faithful
-    graph that runs its rows in another order passes, the blocks the check used keep their bytes,
-    and a frozen graph is still refused."""
-    path = str(tmp_path / "llama")
-    make_checkpoint(path, "llama", max_position_embeddings=128)
-    llm = LLM(path, enforce_eager=True, block_size=16, dtype="float32", attention_backend="triton",
-              max_num_seqs=4, max_model_len=128)
-    runner = llm.engine.runner
-    assert runner.capture_cuda_graphs(4, 128, emulate=True).captured
-    graphs = runner.graphs
+    graph that runs its rows in another order passes, and the blocks the check used keep their
+    bytes."""
+    graphs = emulated_llama_graphs(tmp_path, 4)
     for cache in graphs.kv_caches:
         cache.normal_()
     before = [cache.clone() for cache in graphs.kv_caches]
@@ -214,12 +213,8 @@ def test_verify_gives_every_row_its_own_kv_slots(tmp_path):
 def test_verify_checks_the_largest_size_the_pool_can_hold(tmp_path):
     """With fewer free blocks than the largest graph's rows, the check runs the largest graph that
     gives each row a block of its own."""
-    path = str(tmp_path / "llama")
-    make_checkpoint(path, "llama", max_position_embeddings=128)
-    llm = LLM(path, enforce_eager=True, block_size=16, dtype="float32", attention_backend="triton",
-              max_num_seqs=8, max_model_len=128, num_kv_blocks=6)
-    status = llm.engine.runner.capture_cuda_graphs(8, 128, emulate=True)
-    assert status.captured and status.sizes == (1, 2, 4, 8) and status.verified_size == 4
+    graphs = emulated_llama_graphs(tmp_path, 8, num_kv_blocks=6)
+    assert graphs.sizes == [1, 2, 4, 8] and graphs.verified_size == 4
 
 
 def test_graph_status_says_why_graphs_are_off(tmp_path, monkeypatch, caplog):
