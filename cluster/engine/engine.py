@@ -83,7 +83,7 @@ class LLMEngine:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(model_config.seed)
-        #: Seconds spent starting up, by phase (logged; bench/startup_gpu.py reports them).
+        #: Seconds spent starting up, by phase (bench/startup_gpu.py and bench/gpucheck.py report them).
         self.startup_timings: dict[str, float] = {}
         start = time.perf_counter()
         self.loaded = loaded or load_model(model_config.model, self.device, self.dtype, {

@@ -116,9 +116,8 @@ class Ingress:
             raise RuntimeError(f"the ingress's cluster view stopped: {self._refresher.exception()!r}")
 
     async def health(self) -> None:
-        """GET /health, from the cluster view this replica keeps (refreshed in the background and by
-        /metrics):
-        unavailable while no decode replica has reported for ``DECODE_SILENT_S``."""
+        """GET /health, from the cluster view this replica keeps (refreshed in the background and
+        by /metrics): unavailable while no decode replica has reported for ``DECODE_SILENT_S``."""
         if self.state is None:
             return
         decode = [s for s in self._snapshot if s.role == "decode"]
@@ -128,19 +127,21 @@ class Ingress:
     async def replica_stats(self) -> list[ReplicaStats]:
         """For /metrics: ClusterState's latest reports (the last view if it does not answer in time)."""
         if self.state is not None:
-            try:
-                self._snapshot = list(await asyncio.wait_for(self.state.snapshot.remote(), SNAPSHOT_TIMEOUT_S))
-            except (Exception, asyncio.TimeoutError) as exc:  # noqa: BLE001 - serve the last view
-                logger.debug("cluster snapshot failed: %r", exc)
+            await self._refresh()
         return list(self._snapshot)
 
+    async def _refresh(self) -> None:
+        """Take ClusterState's latest replica reports as this replica's cluster view (kept as it
+        was if ClusterState does not answer within ``SNAPSHOT_TIMEOUT_S``)."""
+        try:
+            self._snapshot = list(await asyncio.wait_for(self.state.snapshot.remote(), SNAPSHOT_TIMEOUT_S))
+        except (Exception, asyncio.TimeoutError) as exc:  # noqa: BLE001 - keep the last view
+            logger.debug("cluster snapshot failed: %r", exc)
+
     async def _refresh_forever(self) -> None:
-        """Keep the latest replica reports from ClusterState (for /health and /metrics)."""
+        """Keep the cluster view fresh for /health, every ``SNAPSHOT_PERIOD_S``."""
         while True:
-            try:
-                self._snapshot = list(await asyncio.wait_for(self.state.snapshot.remote(), SNAPSHOT_TIMEOUT_S))
-            except (Exception, asyncio.TimeoutError) as exc:  # noqa: BLE001 - keep the last view, retry
-                logger.debug("cluster snapshot failed: %r", exc)
+            await self._refresh()
             await asyncio.sleep(SNAPSHOT_PERIOD_S)
 
     async def backends(self) -> list[dict[str, Any]]:
