@@ -11,6 +11,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _bound_gpu_kv_cache(limit: int) -> None:
+    """``bench/gpucheck.py`` runs the gpu test files in parallel processes on one GPU: an engine
+    that is not told its KV cache size takes ``limit`` bytes there, not 90% of the GPU's free
+    memory (which would leave the other processes nothing)."""
+    from cluster.engine.engine import LLMEngine
+
+    default = LLMEngine._default_kv_bytes
+
+    def bounded(self: LLMEngine) -> int:
+        return min(default(self), limit) if self.device.type == "cuda" else default(self)
+
+    LLMEngine._default_kv_bytes = bounded  # type: ignore[method-assign]
+
+
+if os.environ.get("PD_TEST_GPU_KV_BYTES"):
+    _bound_gpu_kv_cache(int(os.environ["PD_TEST_GPU_KV_BYTES"]))
+
+
 def _patch_interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter turns scalar tensors into ints with ``int(array)``, which NumPy
     >= 2.4 refuses for 1-element arrays (triton-lang/triton#9171, fixed upstream by #9172); loops
