@@ -1,7 +1,7 @@
 """The GPU gate: what a change to ``kernels/``, ``cluster/engine/`` or ``cluster/models/`` must pass
 on a GPU before it lands (CI has no GPU, so it cannot see a GPU regression).
 
-1. every ``gpu``-marked test (pytest, one process per test file, a few at a time);
+1. every ``gpu``-marked test (pytest, one process per test, several at a time);
 2. decode CUDA graphs captured, and their self-check passed, for a Llama-family model and for
    DeepSeek-V4 (small random checkpoints, the tests' factories): ``captured`` or ``off: <reason>``;
 3. engine decode at batch 1 and 32 on the Qwen3-8B-shaped bench model (``bench/engine_gpu.py``'s
@@ -39,10 +39,8 @@ DECODE_ROWS = (("b1", 1, 512, 48), ("b32", 32, 512, 48))
 
 
 #: Bytes of KV cache an engine in a gpu test takes when it is not told (tests/conftest.py): the
-#: test files run in parallel processes on the one GPU.
+#: tests run in parallel processes on the one GPU.
 TEST_KV_BYTES = 4 << 30
-#: Test files run one process per test, not per file: each of their tests builds several engines.
-SPLIT_BY_TEST = ("tests/engine/test_gpu_fidelity.py", "tests/engine/test_cuda_graphs.py")
 
 
 def junit_counts(junit: str) -> dict[str, int]:
@@ -54,66 +52,81 @@ def junit_counts(junit: str) -> dict[str, int]:
     return {"passed": total - skipped - failed, "failed": failed}
 
 
-def run_gpu_tests(workdir: str, timeout_s: float, jobs: int, log_dir: str | None = None) -> dict[str, int]:
-    """Every ``gpu``-marked test, one pytest process per test file, ``jobs`` at a time (Triton's
-    compiles are CPU-bound, the tests small); a file still running at the deadline counts as a
-    failure. Each file's log goes to ``log_dir`` when given, its tail and slowest tests to stdout."""
+def gpu_test_ids() -> list[str]:
+    """Every ``gpu``-marked test's node id, those that build engines first (the slowest)."""
     files = subprocess.run(["grep", "-rl", "--include=test_*.py", "pytest.mark.gpu", "tests"], cwd=ROOT,
                            capture_output=True, text=True).stdout.split()
     # Only the modules that hold gpu tests: the others may import what the GPU image lacks (openai).
-    files.sort(key=lambda f: -os.path.getsize(os.path.join(ROOT, f)))  # the larger first
-    split = sorted(set(files) & set(SPLIT_BY_TEST))
-    if split:  # the engine tests, one process each, first: they build several LLMs apiece
-        listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", *split,
-                                 "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True).stdout
-        files = [line for line in listed.splitlines() if "::" in line] + [f for f in files if f not in split]
-    threads = str(max(1, (os.cpu_count() or 1) // jobs))  # the CPU engines the tests compare against
-    env = dict(os.environ, PD_TEST_GPU_KV_BYTES=str(TEST_KV_BYTES), OMP_NUM_THREADS=threads)
-    log_dir = log_dir or workdir
-    os.makedirs(log_dir, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
-    pending, running = list(files), {}
-    totals = {"passed": 0, "failed": 0}
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", *sorted(files),
+                             "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    if not ids:
+        raise RuntimeError(f"no gpu tests collected:\n{listed.stdout[-3000:]}{listed.stderr[-2000:]}")
+    return sorted(ids, key=lambda i: (not i.startswith("tests/engine/"), -os.path.getsize(os.path.join(ROOT, i.split("::")[0]))))
 
-    def finish(name: str, proc: subprocess.Popen, began: float, log: str, junit: str) -> None:
-        code = proc.wait()
-        counts = junit_counts(junit) if os.path.exists(junit) else {"passed": 0, "failed": 1}
-        if code not in (0, 1, 5) and not counts["failed"]:  # pytest itself failed (usage, internal error)
-            counts["failed"] = 1
-        with open(log) as f:
-            tail = f.read()[-2500:]
-        print(f"--- {name}: {counts} in {time.monotonic() - began:.0f} s (exit {code})\n{tail}")
+
+def run_gpu_tests(workdir: str, timeout_s: float, jobs: int, log: str | None = None) -> dict[str, int]:
+    """Every ``gpu``-marked test, one pytest process per test, ``jobs`` at a time on the one GPU
+    (Triton's compiles and autotuning are CPU-bound, the tests small); a test still running at the
+    deadline, or not started by it, counts as a failure. Each test's time and outcome go to
+    stdout, the failures' output too, and every test's pytest output to ``log`` when given."""
+    try:
+        pending = gpu_test_ids()
+    except RuntimeError as exc:
+        print(exc)
+        return {"passed": 0, "failed": 1}
+    threads = str(max(1, (os.cpu_count() or 1) // jobs))  # the CPU engines some tests compare against
+    env = dict(os.environ, PD_TEST_GPU_KV_BYTES=str(TEST_KV_BYTES), OMP_NUM_THREADS=threads)
+    deadline = time.monotonic() + timeout_s
+    running: dict[str, tuple[subprocess.Popen, float, str, str]] = {}
+    totals = {"passed": 0, "failed": 0}
+    logs: list[str] = []
+
+    def done(name: str, proc: subprocess.Popen, began: float, out: str, junit: str, timed_out: bool) -> None:
+        with open(out, errors="replace") as f:
+            text = f.read().replace("\r", "\n")
+        if timed_out:
+            counts, what = {"passed": 0, "failed": 1}, f"timed out after {timeout_s:.0f} s"
+        else:
+            counts = junit_counts(junit) if os.path.exists(junit) else {"passed": 0, "failed": 1}
+            if proc.returncode not in (0, 1, 5) and not counts["failed"]:  # pytest itself failed
+                counts["failed"] = 1
+            what = "FAILED" if counts["failed"] else "passed" if counts["passed"] else "skipped"
+        print(f"{time.monotonic() - began:6.1f} s  {what}  {name}")
+        if counts["failed"]:
+            print(text[-3000:])
+        logs.append(f"===== {name}: {what}\n{text}")
         for key in totals:
             totals[key] += counts[key]
 
     while pending or running:
         while pending and len(running) < jobs:
             name = pending.pop(0)
-            stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in os.path.basename(name).replace(".py", ""))
-            log, junit = os.path.join(log_dir, f"{stem}.log"), os.path.join(workdir, f"{stem}.xml")
-            cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", name, "-p", "no:cacheprovider",
-                   "--durations=5", f"--junitxml={junit}"]
-            out = open(log, "w")
-            running[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT),
-                             time.monotonic(), log, junit, out)
-        for name, (proc, began, log, junit, out) in list(running.items()):
+            out, junit = (os.path.join(workdir, f"test{len(logs) + len(running)}-{time.monotonic_ns()}.{ext}")
+                          for ext in ("log", "xml"))
+            with open(out, "w") as sink:
+                proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", name, "-p", "no:cacheprovider",
+                                         f"--junitxml={junit}"], cwd=ROOT, env=env, stdout=sink,
+                                        stderr=subprocess.STDOUT)
+            running[name] = (proc, time.monotonic(), out, junit)
+        for name, (proc, began, out, junit) in list(running.items()):
             if proc.poll() is not None:
-                out.close()
                 del running[name]
-                finish(name, proc, began, log, junit)
+                done(name, proc, began, out, junit, False)
         if time.monotonic() > deadline:
-            for name, (proc, began, log, junit, out) in running.items():
+            for name, (proc, began, out, junit) in running.items():
                 proc.kill()
                 proc.wait()
-                out.close()
-                with open(log) as f:
-                    tail = f.read()[-1500:]
-                print(f"--- {name}: timed out after {timeout_s:.0f} s\n{tail}")
-                totals["failed"] += 1
-            print(f"gpu tests: not started by the deadline: {pending}" if pending else "")
+                done(name, proc, began, out, junit, True)
+            if pending:
+                print(f"not started by the deadline ({len(pending)}): {pending}")
             totals["failed"] += len(pending)
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
+    if log:
+        os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+        with open(log, "w") as f:
+            f.write("\n".join(logs))
     return totals
 
 
@@ -168,15 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=f"bench/results/gpucheck-h200-{datetime.date.today()}.json")
     parser.add_argument("--tests-timeout-s", type=float, default=300.0)
-    parser.add_argument("--jobs", type=int, default=6, help="gpu test files run at once")
-    parser.add_argument("--log-dir", default=None, help="where each test file's pytest log goes")
+    parser.add_argument("--jobs", type=int, default=10, help="gpu tests run at once")
+    parser.add_argument("--log", default=None, help="where every gpu test's pytest output goes")
     args = parser.parse_args(argv)
     import torch
     env = environment()
     result: dict[str, Any] = {"commit": env["commit"], "device": env["device"]}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
-        result["tests"] = run_gpu_tests(workdir, args.tests_timeout_s, args.jobs, args.log_dir)
+        result["tests"] = run_gpu_tests(workdir, args.tests_timeout_s, args.jobs, args.log)
         print(f"gpu tests: {result['tests']} ({time.perf_counter() - start:.0f} s)")
         try:  # first, while the GPU's memory is all free (the KV cache is sized from it)
             result["decode_pct_of_roofline"] = decode_pct()
