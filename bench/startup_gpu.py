@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001 - record and go on
                 case["error"] = repr(exc)
             result["cases"][name] = case
-    write_result(args.out, result)
+            write_result(args.out, result)  # after each case: a run cut short keeps what it measured
     for name, case in result["cases"].items():
         for which in ("first", "second"):
             c = case.get(which)
