@@ -119,7 +119,7 @@ class KVCacheManager:
         for g, spec in enumerate(self.specs):
             have = len(tables[g]) if tables is not None else len(adopt[g])
             new = max(0, spec.blocks_needed(num_tokens) - have)
-            reclaimed = sum(1 for b in set(adopt[g]) if b != NULL_BLOCK and self.pools[g].ref_cnt[b] == 0)
+            reclaimed = sum(1 for b in set(adopt[g]) if b != NULL_BLOCK and self.pools[g].ref_count(b) == 0)
             if new + reclaimed > self.pools[g].num_free:
                 return False
             needs.append(new)

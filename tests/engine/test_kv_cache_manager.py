@@ -2,6 +2,8 @@
 groups, prefix caching with chained hashes and reference counts, LRU eviction."""
 from __future__ import annotations
 
+import pytest
+
 from cluster.common.block_hash import hash_token_blocks
 from cluster.common.kv_spec import KVGroupSpec, kv_bytes_per_token
 from cluster.engine.block_pool import NULL_BLOCK, BlockPool
@@ -40,6 +42,33 @@ def test_block_pool_lru_evicts_oldest_cached_and_reuses_plain_blocks_first():
     # the free queue now holds: 4 (never used), b, a; two allocations evict b (freed first).
     pool.allocate(2)
     assert pool.lookup(222) is None and pool.lookup(111) == a
+
+
+def test_a_pool_of_a_billion_blocks_costs_what_it_uses():
+    """A small model's compressed groups on a large GPU: hundreds of millions of blocks. The pool
+    is built at once and holds entries only for blocks handed out; every block is still there."""
+    import time
+    start = time.perf_counter()
+    pool = BlockPool(1_000_000_001, enable_caching=True)
+    assert time.perf_counter() - start < 0.1
+    assert pool.num_free == 1_000_000_000 and pool.usage == 0.0
+    blocks = pool.allocate(3)
+    assert blocks == [1, 2, 3] and pool.ref_count(2) == 1 and pool.num_free == 1_000_000_000 - 3
+    pool.cache(blocks[0], 7)
+    pool.free(blocks[::-1])
+    assert pool.num_free == 1_000_000_000 and pool.ref_count(2) == 0
+    assert pool.allocate(2) == [2, 3]  # plain blocks first (the last freed first), then fresh ones
+    assert pool.allocate(1) == [4] and pool.lookup(7) == 1
+    pool.reset_prefix_cache()
+    assert pool.lookup(7) is None and pool.allocate(1) == [1]  # no longer cached: plain again
+
+
+def test_block_pool_reports_a_double_free():
+    pool = BlockPool(4, enable_caching=False)
+    block = pool.allocate(1)
+    pool.free(block)
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.free(block)
 
 
 def test_full_group_allocates_and_frees_everything():
