@@ -2,7 +2,7 @@
 target, whether it is met, by how much it is missed, and what limits it (as measured and analysed
 in kernels/NOTES.md and the README). Reads bench/results/*.json; writes one JSON.
 
-    python bench/targets.py --out bench/results/targets-h200-2026-11-29.json
+    python bench/targets.py --engine engine-h200-2026-12-01.json --out bench/results/targets-h200-2026-12-01.json
 """
 from __future__ import annotations
 
