@@ -1,6 +1,6 @@
 """EngineClient: what the OpenAI HTTP layer needs from whatever serves it (the Ray ingress in
-production; an in-process engine in tests). One method streams one sample; the HTTP layer fans
-out ``n`` samples and prompt lists itself."""
+production; an in-process engine in tests). One method streams one prompt's ``n`` samples (one
+routed call, one prefill); the HTTP layer fans out prompt lists itself."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -19,10 +19,11 @@ class EngineClient(Protocol):
     tokenizer: Tokenizer
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        """Stream one sample's outputs. Admission failures raise a ClusterError (InvalidRequestError,
-        OverloadedError, ...) before the first output; later failures end the stream with a
-        StepOutput whose finish_reason is "error" (or "abort" on a deadline). Cancelling the
-        iteration (client disconnect) aborts the sample everywhere."""
+        """Stream the outputs of the request's ``sampling_params.n`` samples (``StepOutput.sample_index``
+        names the sample), until each has finished. Admission failures raise a ClusterError
+        (InvalidRequestError, OverloadedError, ...) before the first output; later failures end
+        a sample with a StepOutput whose finish_reason is "error" (or "abort" on a deadline).
+        Cancelling the iteration (client disconnect) aborts the request everywhere."""
         ...
 
     async def health(self) -> None:

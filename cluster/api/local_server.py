@@ -11,7 +11,7 @@ from typing import Any
 
 from cluster.api.server import build_openai_app
 from cluster.common.errors import OverloadedError
-from cluster.common.messages import GenerateRequest, ReplicaStats, StepOutput
+from cluster.common.messages import GenerateRequest, ReplicaStats, StepDeltas, StepOutput
 from cluster.config import ClusterConfig, parse_cluster_args
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
@@ -39,22 +39,12 @@ class LocalEngineClient:
         self._inflight += 1
         rid = request.request_id
         try:
-            params = request.sampling_params.replace(n=1)
             group = await self.engine.run(lambda e: e.make_group(
-                rid, request.prompt_token_ids, params, sample_index=request.sample_index))
-            sent = 0
+                rid, request.prompt_token_ids, request.sampling_params, sample_index=request.sample_index))
+            deltas = StepDeltas(rid, request.sample_index)
             async for out in self.engine.generate(group):
-                completion = out.outputs[0]
-                new_ids = completion.token_ids[sent:]
-                if not new_ids and not out.finished:
-                    continue
-                yield StepOutput(
-                    request_id=rid, new_token_ids=new_ids, text=completion.text,
-                    new_logprobs=completion.logprobs[sent:] if completion.logprobs is not None else None,
-                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                    num_cached_tokens=out.num_cached_tokens, error=out.error,
-                    error_type="RequestTimeoutError" if out.error == "deadline exceeded" else None)
-                sent = len(completion.token_ids)
+                for step in deltas.take(out):
+                    yield step
         finally:
             self._inflight -= 1
 

@@ -1,8 +1,8 @@
-"""SampleStreams: runs the sample streams of one HTTP request (each prompt x each of its ``n``
-samples is one ``EngineClient.generate`` call) concurrently and merges their outputs in arrival
-order.
+"""SampleStreams: runs the streams of one HTTP request (each prompt is one ``EngineClient.generate``
+call, which streams its ``n`` samples) concurrently and merges their outputs in arrival order,
+numbered as the response's choices: sample ``s`` of request ``r`` is choice ``offset(r) + s``.
 
-Each sample has a pump task that reads its iterator into one queue. Closing the merger (client
+Each prompt has a pump task that reads its iterator into one queue. Closing the merger (client
 disconnect, an error, the end) cancels every pump, which throws CancelledError into the engine
 client's iterator where it is waiting, so the engine aborts the sample; the pump then closes the
 iterator. Cancellation is requested synchronously, so it takes effect even when the caller is
@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator
 
 from cluster.api.client import EngineClient
-from cluster.api.metrics import SampleTimer, ServerMetrics
+from cluster.api.metrics import ServerMetrics
 from cluster.common.errors import ClusterError, RequestTimeoutError
 from cluster.common.messages import GenerateRequest, StepOutput
 
@@ -41,8 +41,11 @@ class SampleStreams:
         self._metrics = metrics
         self._queue: asyncio.Queue[tuple[int, StepOutput | BaseException | _StreamEnded]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
-        self._timers: list[SampleTimer] = []
-        self._finished = [False] * len(requests)
+        sizes = [r.sampling_params.n for r in requests]
+        #: The choice number of each request's first sample.
+        self._offsets = [sum(sizes[:i]) for i in range(len(requests))]
+        self._timers = [metrics.sample_timer() for _ in range(sum(sizes))]
+        self._finished = [False] * sum(sizes)
         grace = DEADLINE_GRACE_S if grace_s is None else grace_s
         self._deadline = None if deadline_s is None else time.monotonic() + deadline_s + grace
         self._closed = False
@@ -56,34 +59,39 @@ class SampleStreams:
 
     def start(self) -> None:
         for index, request in enumerate(self._requests):
-            timer = self._metrics.sample_timer()
-            self._timers.append(timer)
-            self._tasks.append(asyncio.create_task(self._pump(index, request, timer),
-                                                   name=f"sample-{request.request_id}"))
+            self._tasks.append(asyncio.create_task(self._pump(index, request), name=f"prompt-{request.request_id}"))
 
     @property
     def done(self) -> bool:
         return all(self._finished)
 
-    async def _pump(self, index: int, request: GenerateRequest, timer: SampleTimer) -> None:
+    async def _pump(self, index: int, request: GenerateRequest) -> None:
+        first, count = self._offsets[index], request.sampling_params.n
+        unfinished = set(range(first, first + count))
         iterator = self._client.generate(request)
         try:
-            while True:
+            while unfinished:
                 try:
                     out = await iterator.__anext__()
                 except StopAsyncIteration:
-                    self._queue.put_nowait((index, _StreamEnded()))
+                    self._queue.put_nowait((min(unfinished), _StreamEnded()))
                     return
-                timer.on_output(out)
-                self._queue.put_nowait((index, out))
+                choice = first + out.sample_index - request.sample_index
+                if choice not in unfinished:
+                    raise ClusterError(f"request {request.request_id} streamed an output for sample "
+                                       f"{out.sample_index}, which is not one of its unfinished samples")
+                self._timers[choice].on_output(out)
                 if out.finished:
-                    return
+                    unfinished.discard(choice)
+                self._queue.put_nowait((choice, out))
         except asyncio.CancelledError:
-            timer.finish("abort")
+            for choice in unfinished:
+                self._timers[choice].finish("abort")
             raise
         except Exception as exc:  # handed to the request's handler, which maps it to a status
-            timer.finish("error")
-            self._queue.put_nowait((index, exc))
+            for choice in unfinished:
+                self._timers[choice].finish("error")
+            self._queue.put_nowait((min(unfinished) if unfinished else first, exc))
         finally:
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None:
@@ -98,7 +106,7 @@ class SampleStreams:
         except TimeoutError:
             raise RequestTimeoutError("deadline exceeded", code="deadline_exceeded") from None
         if isinstance(item, _StreamEnded):
-            raise ClusterError(f"sample {self._requests[index].request_id} ended without finishing")
+            raise ClusterError(f"sample {index} of the request ended without finishing")
         if isinstance(item, BaseException):
             raise item
         if item.finished:

@@ -1,9 +1,9 @@
 """OpenAIServing: turns a validated completions or chat request into sample requests for the
 EngineClient and their merged outputs into an OpenAI response.
 
-A request becomes prompts (tokenized, length-checked), each prompt ``n`` GenerateRequests
-(``sample_index`` 0..n-1, ``params.n == 1``, the same ``seed``: the engine varies the draw per
-sample), run concurrently by SampleStreams. Choice ``i`` of the response is sample
+A request becomes prompts (tokenized, length-checked), each prompt one GenerateRequest with its
+``n`` samples (one routed call and one prefill per prompt; the same ``seed``: the engine varies
+the draw per sample), run concurrently by SampleStreams. Choice ``i`` of the response is sample
 ``i % n`` of prompt ``i // n``. Non-streaming responses aggregate; streaming ones wait for the
 first output before answering 200, so admission failures and a deadline that passes before any
 token keep their status codes (429/503/504...); a failure after that is an SSE error event
@@ -156,7 +156,7 @@ class OpenAIServing:
         return prompts
 
     def _sample_params(self, prompt: Prompt, params: SamplingParams, param: str) -> SamplingParams:
-        """Per-prompt params: n=1, max_tokens resolved against the context length."""
+        """Per-prompt params: max_tokens resolved against the context length."""
         limit, length = self.client.max_model_len, len(prompt.token_ids)
         if length == 0:
             raise InvalidRequestError("the prompt is empty", param=param)
@@ -172,7 +172,7 @@ class OpenAIServing:
                 f"{length + params.max_tokens} tokens ({length} in the prompt, {params.max_tokens} for "
                 f"the completion). Please reduce the length of the prompt or max_tokens.",
                 param="max_tokens", code="context_length_exceeded")
-        return params.replace(n=1, max_tokens=room if params.max_tokens is None else params.max_tokens)
+        return params.replace(max_tokens=room if params.max_tokens is None else params.max_tokens)
 
     def _fan_out(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
                  param: str) -> tuple[list[GenerateRequest], list[ChoiceState]]:
@@ -183,14 +183,12 @@ class OpenAIServing:
         requests, choices = [], []
         for p_index, prompt in enumerate(prompts):
             sample_params = self._sample_params(prompt, params, param)
-            hashes = hash_token_blocks(prompt.token_ids, self.block_size)
-            for sample in range(params.n):
-                index = p_index * params.n + sample
-                requests.append(GenerateRequest(
-                    request_id=f"{request_id}-{index}", prompt_token_ids=prompt.token_ids,
-                    sampling_params=sample_params, prompt=prompt.text, sample_index=sample,
-                    arrival_time=arrival, block_hashes=hashes))
-                choices.append(ChoiceState(index=index, prompt_index=p_index))
+            requests.append(GenerateRequest(
+                request_id=f"{request_id}-{p_index}", prompt_token_ids=prompt.token_ids,
+                sampling_params=sample_params, prompt=prompt.text, arrival_time=arrival,
+                block_hashes=hash_token_blocks(prompt.token_ids, self.block_size)))
+            choices.extend(ChoiceState(index=p_index * params.n + sample, prompt_index=p_index)
+                           for sample in range(params.n))
         return requests, choices
 
     # --- running them -------------------------------------------------------------------------------

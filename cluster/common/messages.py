@@ -6,14 +6,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.common.outputs import PositionLogprobs
+from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.common.sampling_params import SamplingParams
 
 
 @dataclass
 class GenerateRequest:
-    """One sample to generate: validated, tokenized, with its deadline. The ingress splits a
-    request with ``n > 1`` into n of these (``sample_index`` 0..n-1, params.n == 1)."""
+    """One prompt to generate for: validated, tokenized, with its deadline, and its
+    ``sampling_params.n`` samples (numbered ``sample_index`` .. ``sample_index + n - 1``: the seed
+    of each is varied by its number). One routed call per prompt, whatever ``n`` is: the worker
+    that decodes it prefills the prompt once and its samples share that KV."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -57,7 +59,8 @@ class PrefillResult:
 @dataclass
 class StepOutput:
     """What a decode worker streams back for one sample after each step: the new tokens (and
-    their logprobs), the cumulative text and the finish state."""
+    their logprobs), the cumulative text and the finish state. A request's samples share one
+    stream; ``sample_index`` says whose output this is."""
 
     request_id: str
     new_token_ids: list[int]
@@ -72,10 +75,50 @@ class StepOutput:
     #: Per-request timing breakdown (seconds), set on the first output: prefill_queue,
     #: prefill_compute, transfer, first_decode, ttft.
     timings: dict[str, float] = field(default_factory=dict)
+    sample_index: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class StepDeltas:
+    """Turns one request's cumulative RequestOutputs (every sample's tokens so far) into
+    StepOutputs: per sample, what is new since the last call, until it finishes."""
+
+    def __init__(self, request_id: str, first_sample: int = 0) -> None:
+        self.request_id = request_id
+        self.first_sample = first_sample
+        self._sent: dict[int, int] = {}
+        self._done: set[int] = set()
+
+    @property
+    def finished_samples(self) -> int:
+        return len(self._done)
+
+    def take(self, out: RequestOutput) -> list[StepOutput]:
+        steps = []
+        for completion in out.outputs:
+            i = completion.index
+            if i in self._done:
+                continue
+            sent = self._sent.get(i, 0)
+            new_ids = completion.token_ids[sent:]
+            if not new_ids and not completion.finished:
+                continue
+            failed = completion.finish_reason in ("error", "abort")
+            error = out.error if failed else None
+            steps.append(StepOutput(
+                request_id=self.request_id, new_token_ids=new_ids, text=completion.text,
+                new_logprobs=completion.logprobs[sent:] if completion.logprobs is not None else None,
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                num_cached_tokens=out.num_cached_tokens, error=error,
+                error_type="RequestTimeoutError" if failed and error == "deadline exceeded" else None,
+                sample_index=self.first_sample + i))
+            self._sent[i] = len(completion.token_ids)
+            if completion.finished:
+                self._done.add(i)
+        return steps
 
 
 @dataclass

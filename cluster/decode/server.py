@@ -48,7 +48,7 @@ class DecodeServer:
 
     async def _call_prefill(self, request: PrefillRequest) -> PrefillResult:
         assert self.prefill is not None
-        own_routing_id()  # this replica's concurrent prefill calls are each routed on their own
+        own_routing_id()  # each prefill call is routed on its own, whatever request it is made under
         response = self.prefill.prefill.remote(request)
         try:
             return await response
@@ -57,10 +57,10 @@ class DecodeServer:
             raise
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        last_token: float | None = None
+        last_token: dict[int, float] = {}  # per sample
         async for out in self.worker.generate(request):
             if out.new_token_ids:
-                last_token = self._observe_latency(request, out, last_token)
+                last_token[out.sample_index] = self._observe_latency(request, out, last_token.get(out.sample_index))
             yield out
 
     def _observe_latency(self, request: GenerateRequest, out: StepOutput, last_token: float | None) -> float:

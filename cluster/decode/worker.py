@@ -1,6 +1,8 @@
-"""DecodeWorker: the decode role without Ray. For each sample it reserves KV blocks for the
+"""DecodeWorker: the decode role without Ray. For each request it reserves KV blocks for the
 prompt, asks a prefill worker (through ``prefill_fn``) to compute into them, and once the KV has
-landed it decodes the rest in its batch, streaming StepOutputs.
+landed it decodes the rest in its batch, streaming StepOutputs. A request's ``n`` samples make one
+prefill call: samples 1..n-1 wait for sample 0's KV, then take its full blocks from the prefix
+cache and compute only the last partial block's tokens here.
 
 A sample's states here: RESERVED (blocks held) -> RECEIVING (the prefill worker writes) ->
 RUNNING (decoding) -> FINISHED. RECEIVING ends within ``kv_transfer_timeout_s``: on a failure or
@@ -17,7 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from cluster.common.errors import OverloadedError
-from cluster.common.messages import GenerateRequest, PrefillRequest, PrefillResult, ReplicaStats, StepOutput
+from cluster.common.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReplicaStats, StepDeltas,
+                                     StepOutput)
 from cluster.common.outputs import RequestOutput
 from cluster.common.reporting import replica_stats
 from cluster.config import ClusterConfig
@@ -47,10 +50,10 @@ class DecodeWorker:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StepOutput]:
         rid = req.request_id
-        params = req.sampling_params.replace(n=1)
         group = await self.engine.run(lambda e: e.make_group(
-            rid, req.prompt_token_ids, params, arrival_time=_monotonic(req.arrival_time),
+            rid, req.prompt_token_ids, req.sampling_params, arrival_time=_monotonic(req.arrival_time),
             sample_index=req.sample_index))
+        first = group.samples[0].request_id
         queue = self.engine.open_stream(rid)
         timings: dict[str, float] = {}
         prefill_task: asyncio.Task[None] | None = None
@@ -61,12 +64,13 @@ class DecodeWorker:
                 # One engine command: a step between reserving and reading the tables could end
                 # the request (its deadline) and take its blocks away.
                 tables = await self.engine.run(
-                    lambda e: [list(t) for t in e.kv.block_tables(rid)] if e.reserve_remote(group) else None)
+                    lambda e: [list(t) for t in e.kv.block_tables(first)] if e.reserve_remote(group) else None)
                 if tables is None:
                     raise OverloadedError("decode worker has no free KV blocks or sequence slots")
-                prefill = PrefillRequest(req, self.backend.endpoint(), tables, f"{self.engine_id}/{rid}")
-                prefill_task = asyncio.create_task(self._remote_prefill(prefill, timings))
-            async for out in self._read(rid, queue, timings):
+                one = dataclasses.replace(req, sampling_params=req.sampling_params.replace(n=1))
+                prefill = PrefillRequest(one, self.backend.endpoint(), tables, f"{self.engine_id}/{first}")
+                prefill_task = asyncio.create_task(self._remote_prefill(prefill, first, timings))
+            async for out in self._read(StepDeltas(rid, req.sample_index), len(group.samples), queue, timings):
                 yield out
         finally:
             if prefill_task is not None and not prefill_task.done():
@@ -74,8 +78,9 @@ class DecodeWorker:
             self.engine.close_stream(rid)
             self.engine.submit(lambda e: e.abort_request(rid))  # no-op once finished
 
-    async def _remote_prefill(self, prefill: PrefillRequest, timings: dict[str, float]) -> None:
-        rid, timeout = prefill.request.request_id, self.config.transfer.timeout_s
+    async def _remote_prefill(self, prefill: PrefillRequest, rid: str, timings: dict[str, float]) -> None:
+        """Sample ``rid``'s prompt computed by a prefill worker into the reserved blocks."""
+        timeout = self.config.transfer.timeout_s
         start = time.monotonic()
         try:
             assert self.prefill_fn is not None
@@ -98,34 +103,26 @@ class DecodeWorker:
                            "prefilling locally" if fallback else "failing the request")
             await self.engine.run(lambda e: e.fail_remote_prefill(rid, f"remote prefill failed: {exc}", fallback))
 
-    async def _read(self, rid: str, queue: asyncio.Queue[Any], timings: dict[str, float]
-                    ) -> AsyncIterator[StepOutput]:
-        sent = 0
+    async def _read(self, deltas: StepDeltas, num_samples: int, queue: asyncio.Queue[Any],
+                    timings: dict[str, float]) -> AsyncIterator[StepOutput]:
+        """Every sample's StepOutputs until all have finished; a sample's first carries the
+        timings (sample 0's: the prefill's; the others': their TTFT)."""
         start = time.monotonic()
-        while True:
+        started: set[int] = set()
+        while deltas.finished_samples < num_samples:
             item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
             out: RequestOutput = item
-            completion = out.outputs[0]
-            new_ids = completion.token_ids[sent:]
-            if not new_ids and not out.finished:
-                continue
-            step = StepOutput(
-                request_id=rid, new_token_ids=new_ids, text=completion.text,
-                new_logprobs=completion.logprobs[sent:] if completion.logprobs is not None else None,
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                num_cached_tokens=out.num_cached_tokens, error=out.error)
-            if sent == 0:
-                step.timings = self._first_timings(timings, time.monotonic() - start)
-                if "num_cached_tokens" in timings:
-                    step.num_cached_tokens = int(timings["num_cached_tokens"])
-            if completion.finish_reason == "abort" and out.error == "deadline exceeded":
-                step.error_type = "RequestTimeoutError"
-            sent = len(completion.token_ids)
-            yield step
-            if out.finished:
-                return
+            for step in deltas.take(out):
+                if step.sample_index not in started:
+                    started.add(step.sample_index)
+                    first = step.sample_index == deltas.first_sample
+                    step.timings = (self._first_timings(timings, time.monotonic() - start) if first
+                                    else {"ttft": time.monotonic() - start})
+                    if first and "num_cached_tokens" in timings:
+                        step.num_cached_tokens = int(timings["num_cached_tokens"])
+                yield step
 
     @staticmethod
     def _first_timings(timings: dict[str, float], ttft: float) -> dict[str, float]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.common.errors import InvalidRequestError, UnsupportedSettingError
+from cluster.common.errors import ClusterError, InvalidRequestError, UnsupportedSettingError
 from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -230,10 +230,37 @@ class LLMEngine:
         return group
 
     def add_group(self, group: RequestGroup) -> None:
-        for s in group.samples:
+        """Queue a request's samples. With prefix caching, samples 1..n-1 wait for sample 0 to
+        compute the prompt (``RequestGroup.held``), then share its full blocks: one prefill for n
+        samples, and only the last partial block's tokens computed again per sample."""
+        hold = self.cache_config.enable_prefix_caching
+        for s in group.samples[:1] if hold else group.samples:
             self.scheduler.add_request(s)
+        self._register(group, hold)
+
+    def _register(self, group: RequestGroup, hold: bool) -> None:
+        for s in group.samples:
             self._sample_group[s.request_id] = group
+        group.held = group.samples[1:] if hold else []
         self.groups[group.request_id] = group
+
+    def _settle_held(self, group: RequestGroup) -> None:
+        """Sample 0 changed: once it has its first token (the prompt is in the cache) the held
+        samples join the scheduler; if it ended without one, they end as it did."""
+        first = group.samples[0]
+        if first.num_output_tokens == 0 and not first.status.finished:
+            return
+        held, group.held = group.held, []
+        for s in held:
+            if s.status.finished:
+                continue
+            if first.num_output_tokens == 0:
+                self.scheduler.finish(s, first.status, error=first.error)
+                continue
+            try:
+                self.scheduler.add_request(s)
+            except ClusterError as exc:  # the waiting queue is full: this sample fails, visibly
+                self.scheduler.finish(s, RequestStatus.FINISHED_ERROR, error=exc.message)
 
     def abort_request(self, request_id: str, *, error: str | None = None,
                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -383,6 +410,8 @@ class LLMEngine:
         group = self._sample_group.get(request.request_id)
         if group is not None:
             self._changed[group.request_id] = group
+            if group.held and request is group.samples[0]:
+                self._settle_held(group)
 
     def _process(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
         for s in scheduled:
@@ -410,16 +439,14 @@ class LLMEngine:
     # --- decode role: prompts prefilled elsewhere -----------------------------------------------------
 
     def reserve_remote(self, group: RequestGroup) -> bool:
-        """Reserve KV blocks for a one-sample request whose prompt another worker prefills. False:
-        no room now (nothing reserved)."""
-        assert len(group.samples) == 1, "remote prefill takes one sample per request"
-        request = group.samples[0]
-        if request.request_id in self.groups:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
-        if not self.scheduler.reserve_for_remote_kv(request):
+        """Reserve KV blocks for sample 0 of a request whose prompt another worker prefills; the
+        other samples wait for that KV as in ``add_group`` (without prefix caching they then
+        compute the prompt here). False: no room now (nothing reserved)."""
+        if group.request_id in self.groups:
+            raise InvalidRequestError(f"request id {group.request_id!r} is already in use", param="request_id")
+        if not self.scheduler.reserve_for_remote_kv(group.samples[0]):
             return False
-        self._sample_group[request.request_id] = group
-        self.groups[group.request_id] = group
+        self._register(group, hold=True)
         return True
 
     def finish_remote_prefill(self, request_id: str, first_token: int,

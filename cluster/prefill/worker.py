@@ -46,6 +46,8 @@ class PrefillWorker:
         engine = LLMEngine(config.model, config.cache, scheduler, kv_allocator=storage.allocate)
         self.backend: KVTransferBackend = storage.build(engine.runner.kv_caches, engine.kv_specs)
         self._jobs: dict[str, PrefillJob] = {}
+        #: Prompts prefilled and handed over (one per request, whatever its ``n``).
+        self.prefills_completed = 0
         self._jobs_lock = threading.Lock()
         self.engine = AsyncEngine(engine, post_step=self._write_step)
 
@@ -81,6 +83,7 @@ class PrefillWorker:
                 "transfer": job.transfer_s,
             }
             first_logprobs = completion.logprobs[0] if completion.logprobs else None
+            self.prefills_completed += 1
             return PrefillResult(completion.token_ids[0], first_logprobs, final.num_cached_tokens,
                                  job.bytes_sent, timings, sender_node=self.backend.node_id)
         finally:
@@ -121,7 +124,8 @@ class PrefillWorker:
 
     async def stats(self, replica_id: str) -> ReplicaStats:
         metrics = await self.engine.run(lambda e: e.metrics())
-        return replica_stats("prefill", replica_id, metrics, self.backend.stats, None)
+        return replica_stats("prefill", replica_id, metrics, self.backend.stats,
+                             {"prefill_requests_total": float(self.prefills_completed)})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

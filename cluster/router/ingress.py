@@ -1,9 +1,9 @@
 """Ingress: the HTTP entry (the OpenAI app from cluster.api) as a Ray Serve deployment. It is the
-EngineClient behind that app: it bounds requests in flight, decides per sample whether the
+EngineClient behind that app: it bounds requests in flight, decides per prompt whether the
 decode replica prefills it itself (prompts under ``local_prefill_threshold`` tokens, or no
 prefill replicas), attaches the prompt's block hashes for prefix-cache affinity, and streams the
 decode replica (chosen by DecodeRouter: most free KV blocks, least load). A decode replica that
-is full answers before any output and the sample is retried on another."""
+is full answers before any output and the request is retried on another."""
 from __future__ import annotations
 
 import asyncio
@@ -71,7 +71,7 @@ class Ingress:
             raise OverloadedError(f"{self._inflight} requests in flight; try again later")
         self._inflight += 1
         try:
-            own_routing_id()  # one HTTP request makes a decode call per sample: each is routed on its own
+            own_routing_id()  # one HTTP request makes a decode call per prompt: each is routed on its own
             self._route(request)
             for attempt in range(DECODE_RETRIES):
                 started = False
@@ -86,7 +86,7 @@ class Ingress:
                         raise
                     await asyncio.sleep(0.05 * (attempt + 1))
                 except (RayActorError, ActorUnavailableError) as exc:
-                    # The decode replica died. Before any output the sample starts again on
+                    # The decode replica died. Before any output the request starts again on
                     # another replica (Serve routes around the dead one); after, the client gets
                     # a retryable error naming what failed.
                     logger.warning("decode replica died serving %s: %r", request.request_id, exc)

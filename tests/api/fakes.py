@@ -1,10 +1,13 @@
 """FakeEngineClient: an in-process EngineClient that answers each sample with scripted StepOutputs
-(a fixed reply, rotated per sample_index, one token per step), records every GenerateRequest, and
-records which sample iterators were closed and which were cancelled. Tests set ``script`` to a
+(a fixed reply, rotated per sample_index, one token per step), records every sample as a
+GenerateRequest of one sample (a request of ``n`` is split into ``n``: ids ``<id>#<i>``, as the
+engine names them, streamed concurrently and merged), and records which sample iterators were
+closed and which were cancelled. Tests set ``script`` to a
 function of the request returning a Script to inject failures, delays, cache hits and timings."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +73,38 @@ class FakeEngineClient:
         return (ids * (1 + (request.sampling_params.max_tokens or 0) // len(ids)))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        n = request.sampling_params.n
+        samples = [request] if n == 1 else [
+            dataclasses.replace(request, request_id=f"{request.request_id}#{i}", sample_index=request.sample_index + i,
+                                sampling_params=request.sampling_params.replace(n=1)) for i in range(n)]
+        queue: asyncio.Queue[StepOutput | BaseException | None] = asyncio.Queue()
+
+        async def pump(sample: GenerateRequest) -> None:
+            try:
+                async for out in self._sample(sample):
+                    out.sample_index = sample.sample_index
+                    queue.put_nowait(out)
+                queue.put_nowait(None)
+            except Exception as exc:  # noqa: BLE001 - raised by the merged stream
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(s)) for s in samples]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sample(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         self.requests.append(request)
         script = self.script(request)
         try:
