@@ -12,6 +12,7 @@ from typing import Any
 from cluster.api.server import build_openai_app
 from cluster.common.errors import OverloadedError
 from cluster.common.messages import GenerateRequest, ReplicaStats, StepDeltas, StepOutput
+from cluster.common.reporting import queue_time
 from cluster.config import ClusterConfig, parse_cluster_args
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
@@ -42,8 +43,13 @@ class LocalEngineClient:
             group = await self.engine.run(lambda e: e.make_group(
                 rid, request.prompt_token_ids, request.sampling_params, sample_index=request.sample_index))
             deltas = StepDeltas(rid, request.sample_index)
+            timed = False
             async for out in self.engine.generate(group):
                 for step in deltas.take(out):
+                    if not timed and step.new_token_ids and step.sample_index == request.sample_index:
+                        timed = True
+                        queued = queue_time(group)
+                        step.timings = {} if queued is None else {"queue": queued}
                     yield step
         finally:
             self._inflight -= 1
@@ -53,14 +59,15 @@ class LocalEngineClient:
             raise RuntimeError(f"engine loop stopped: {self.engine.dead}")
 
     async def replica_stats(self) -> list[ReplicaStats]:
-        m = await self.engine.run(lambda e: e.metrics())
+        m, preemptions = await self.engine.run(lambda e: (e.metrics(), e.scheduler.num_preemptions))
         return [ReplicaStats(role="colocated", replica_id="local",
                              num_requests_running=int(m["num_requests_running"]),
                              num_requests_waiting=int(m["num_requests_waiting"]),
                              kv_cache_usage_perc=m["kv_cache_usage_perc"],
                              num_free_blocks=int(m["num_free_blocks"]),
                              prefix_cache_hit_rate=m["prefix_cache_hit_rate"],
-                             cuda_graphs_captured=m["cuda_graphs_captured"])]
+                             cuda_graphs_captured=m["cuda_graphs_captured"],
+                             extra={"num_preemptions_total": float(preemptions)})]
 
     async def backends(self) -> list[dict[str, Any]]:
         return [dict(b, role="colocated", replica="local") for b in self.engine.engine.backends()]

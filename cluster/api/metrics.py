@@ -1,13 +1,16 @@
 """Prometheus metrics of the OpenAI front end, in an own CollectorRegistry (never the process-global
 one, so several apps in one process do not collide), with vLLM-style ``cluster:`` names.
 
-Measured here, per sample (one engine request; a request with ``n=2`` counts twice):
+Every metric carries the label ``model_name`` (the served name, as vLLM's do). Measured here, per
+sample (a request with ``n=2`` counts twice):
 - histograms ``cluster:time_to_first_token_seconds`` (arrival to the first output carrying a
   token), ``cluster:inter_token_latency_seconds`` (each gap between two outputs carrying tokens:
   one per engine step, as vLLM v1 counts it), ``cluster:e2e_request_latency_seconds``;
 - the TTFT breakdown from ``StepOutput.timings``: ``cluster:ttft_prefill_queue_seconds``,
   ``cluster:ttft_prefill_compute_seconds``, ``cluster:ttft_kv_transfer_seconds``,
-  ``cluster:ttft_first_decode_seconds``;
+  ``cluster:ttft_first_decode_seconds``, and ``cluster:request_queue_time_seconds`` (arrival to
+  the first step that computes the prompt, on whichever worker prefills it; a request's first
+  sample);
 - counters ``cluster:request_finished_total{finished_reason}`` (stop, length, abort, error),
   ``cluster:prompt_tokens_total``, ``cluster:generation_tokens_total`` and
   ``cluster:http_requests_total{route,status}``.
@@ -20,14 +23,16 @@ gauges ``cluster:num_requests_running``, ``cluster:num_requests_waiting``,
 quantiles, i.e. the pair ``cluster:kv_transfer_seconds_sum`` (seconds spent moving KV) and
 ``cluster:kv_transfer_seconds_count`` (transfers), so ``rate(_sum) / rate(_count)`` is the mean
 transfer time. Numeric entries of ``ReplicaStats.extra`` whose key is a valid metric name become
-gauges ``cluster:<key>`` (e.g. ``spec_accept_len``), so roles can add gauges without touching
-this file.
+gauges ``cluster:<key>`` (e.g. ``spec_accept_len``), or counters where the key ends in ``_total``
+(``cluster:num_preemptions_total``, ``cluster:prefill_requests_total``,
+``cluster:remote_prefill_failures_total``), so roles can add them without touching this file.
 """
 from __future__ import annotations
 
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
@@ -46,6 +51,7 @@ TTFT_PARTS = {
     "prefill_compute": "cluster:ttft_prefill_compute_seconds",
     "transfer": "cluster:ttft_kv_transfer_seconds",
     "first_decode": "cluster:ttft_first_decode_seconds",
+    "queue": "cluster:request_queue_time_seconds",
 }
 #: ReplicaStats field -> (metric name, help) rendered as a gauge.
 _REPLICA_GAUGES = {
@@ -58,13 +64,14 @@ _REPLICA_GAUGES = {
                              "0 when they run eagerly (see /v1/backends, component cuda_graphs, for why)."),
 }
 _METRIC_KEY = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-_LABELS = ["role", "replica"]
+_LABELS = ["model_name", "role", "replica"]
 
 
 class ReplicaStatsCollector:
     """Renders the replicas' latest stats (set just before each scrape) as metric families."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.stats: list[ReplicaStats] = []
 
     def collect(self) -> Iterator[Metric]:
@@ -72,7 +79,7 @@ class ReplicaStatsCollector:
         for field_name, (name, doc) in _REPLICA_GAUGES.items():
             gauge = GaugeMetricFamily(name, doc, labels=_LABELS)
             for s in stats:
-                gauge.add_metric([s.role, s.replica_id], float(getattr(s, field_name)))
+                gauge.add_metric([self.model_name, s.role, s.replica_id], float(getattr(s, field_name)))
             yield gauge
         transferred = CounterMetricFamily("cluster:kv_transfer_bytes", "KV bytes moved between prefill "
                                           "and decode.", labels=_LABELS)
@@ -80,15 +87,14 @@ class ReplicaStatsCollector:
         seconds = SummaryMetricFamily("cluster:kv_transfer_seconds", "Time spent moving KV blocks "
                                       "(_sum: seconds, _count: transfers).", labels=_LABELS)
         for s in stats:
-            labels = [s.role, s.replica_id]
+            labels = [self.model_name, s.role, s.replica_id]
             transferred.add_metric(labels, float(s.kv_transfer_bytes_total))
             failures.add_metric(labels, float(s.kv_transfer_failures_total))
             seconds.add_metric(labels, count_value=s.kv_transfer_count, sum_value=s.kv_transfer_seconds_total)
         yield from (transferred, failures, seconds)
         yield from self._extra_gauges(stats)
 
-    @staticmethod
-    def _extra_gauges(stats: list[ReplicaStats]) -> Iterator[Metric]:
+    def _extra_gauges(self, stats: list[ReplicaStats]) -> Iterator[Metric]:
         """Numeric extras as gauges, or as counters where the key ends in ``_total`` (a count that
         only grows, such as ``remote_prefill_failures_total``)."""
         reserved = {name.split(":", 1)[1] for name, _ in _REPLICA_GAUGES.values()} | set(_REPLICA_GAUGES)
@@ -106,7 +112,7 @@ class ReplicaStatsCollector:
                     else:
                         family = GaugeMetricFamily(f"cluster:{key}", f"Replica gauge {key}.", labels=_LABELS)
                     families[key] = family
-                family.add_metric([s.role, s.replica_id], float(value))
+                family.add_metric([self.model_name, s.role, s.replica_id], float(value))
         yield from families.values()
 
 
@@ -141,29 +147,37 @@ class SampleTimer:
             return
         self._done = True
         self._metrics.e2e.observe(time.monotonic() - self._start)
-        self._metrics.finished.labels(finished_reason=reason).inc()
+        self._metrics.finished.labels(model_name=self._metrics.model_name, finished_reason=reason).inc()
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram("cluster:time_to_first_token_seconds", "Time to the first token.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("cluster:inter_token_latency_seconds", "Time between two outputs "
-                             "carrying tokens.", buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("cluster:e2e_request_latency_seconds", "Arrival to the last output.",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.ttft_parts = {key: Histogram(name, f"TTFT breakdown: {key}.", buckets=TTFT_BUCKETS, registry=r)
+        r, model = self.registry, ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, model, buckets=buckets, registry=r).labels(model_name=model_name)
+        self.ttft = histogram("cluster:time_to_first_token_seconds", "Time to the first token.", TTFT_BUCKETS)
+        self.itl = histogram("cluster:inter_token_latency_seconds", "Time between two outputs carrying tokens.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("cluster:e2e_request_latency_seconds", "Arrival to the last output.", E2E_BUCKETS)
+        self.ttft_parts = {key: histogram(name, f"TTFT breakdown: {key}." if key != "queue" else
+                                          "Arrival to the first step computing the prompt.", TTFT_BUCKETS)
                            for key, name in TTFT_PARTS.items()}
         self.finished = Counter("cluster:request_finished", "Samples finished, by finish reason.",
-                                ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter("cluster:prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
-        self.generation_tokens = Counter("cluster:generation_tokens", "Generated tokens.", registry=r)
-        self.http_requests = Counter("cluster:http_requests", "HTTP requests by route and status.",
-                                     ["route", "status"], registry=r)
-        self.replicas = ReplicaStatsCollector()
+                                ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("cluster:prompt_tokens", "Prompt tokens of accepted requests.", model,
+                                     registry=r).labels(model_name=model_name)
+        self.generation_tokens = Counter("cluster:generation_tokens", "Generated tokens.", model,
+                                         registry=r).labels(model_name=model_name)
+        self._http = Counter("cluster:http_requests", "HTTP requests by route and status.",
+                             ["model_name", "route", "status"], registry=r)
+        self.replicas = ReplicaStatsCollector(model_name)
         r.register(self.replicas)
+
+    def http_request(self, route: str, status: int) -> None:
+        self._http.labels(model_name=self.model_name, route=route, status=str(status)).inc()
 
     def sample_timer(self) -> SampleTimer:
         return SampleTimer(self)

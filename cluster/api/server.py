@@ -29,7 +29,8 @@ from starlette.responses import JSONResponse, Response
 from cluster.api.client import EngineClient
 from cluster.api.errors import RequestTooLargeError, error_response, internal_error, validation_error
 from cluster.api.metrics import ServerMetrics
-from cluster.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cluster.api.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                 CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from cluster.api.serving import OpenAIServing, new_request_id
 from cluster.common.errors import ClusterError, InvalidRequestError
 
@@ -101,8 +102,46 @@ async def _respond(route: str, metrics: ServerMetrics, call: Callable[[], Awaita
     except Exception:
         logger.exception("internal error on %s", route)
         response = error_response(internal_error())
-    metrics.http_requests.labels(route=route, status=str(response.status_code)).inc()
+    metrics.http_request(route, response.status_code)
     return response
+
+
+#: Route -> (method, request body model or None, 200 response model): the bodies are read by hand
+#: (size limit, 400s), so FastAPI cannot see these models; ``/openapi.json`` is told of them.
+_DOCUMENTED: dict[str, tuple[str, type[BaseModel] | None, type[BaseModel]]] = {
+    "/v1/completions": ("post", CompletionRequest, CompletionResponse),
+    "/v1/chat/completions": ("post", ChatCompletionRequest, ChatCompletionResponse),
+    "/v1/models": ("get", None, ModelList),
+    "/v1/models/{model_id}": ("get", None, ModelCard),
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The OpenAPI document with the request and response schemas of the OpenAI routes (streamed
+    answers are ``text/event-stream`` of the matching ``*Chunk`` objects) and the error body."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+
+    def ref(model: type[BaseModel]) -> dict[str, str]:
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"description": "an OpenAI error body", "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+    for path, (method, request, response) in _DOCUMENTED.items():
+        operation = schema["paths"].get(path, {}).get(method)
+        if operation is None:
+            continue
+        if request is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request)}}}
+        operation["responses"] = {"200": {"description": "OK", "content": {"application/json": {"schema": ref(response)}}},
+                                  "4XX": error, "5XX": error}
+    app.openapi_schema = schema
+    return schema
 
 
 def build_openai_app(client: EngineClient, *, max_body_bytes: int, served_model_name: str | None = None,
@@ -115,10 +154,11 @@ def build_openai_app(client: EngineClient, *, max_body_bytes: int, served_model_
     names requests may give for the model (answers carry the served name); ``api_keys``
     (comma-separated): required as ``Authorization: Bearer <key>`` on ``/v1/*``;
     ``cors_allow_origins`` (comma-separated): origins CORS allows."""
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(served_model_name or client.model_name)
     serving = OpenAIServing(client, metrics, model_name=served_model_name or client.model_name,
                             block_size=block_size, request_timeout_s=request_timeout_s, aliases=model_aliases)
     app = FastAPI(title="pd-cluster OpenAI API", docs_url=None, redoc_url=None)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.serving = serving
     app.state.metrics = metrics
     _install_error_handlers(app)

@@ -37,6 +37,13 @@ def replica_stats(role: str, replica_id: str, metrics: dict[str, float], transfe
         extra=dict(extra or {}))
 
 
+def queue_time(group: Any) -> float | None:
+    """Seconds from an engine request group's arrival to the first step that computed its first
+    sample's prompt on this engine (None before that)."""
+    first = group.samples[0]
+    return None if first.first_scheduled_time is None else max(0.0, first.first_scheduled_time - first.arrival_time)
+
+
 def routing_stats(stats: ReplicaStats) -> dict[str, Any]:
     """What the request routers (cluster.router.routers) rank replicas by."""
     return {"waiting": stats.num_requests_waiting, "running": stats.num_requests_running,

@@ -22,10 +22,11 @@ from cluster.common.errors import OverloadedError
 from cluster.common.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReplicaStats, StepDeltas,
                                      StepOutput)
 from cluster.common.outputs import RequestOutput
-from cluster.common.reporting import replica_stats
+from cluster.common.reporting import queue_time, replica_stats
 from cluster.config import ClusterConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
+from cluster.engine.output_processor import RequestGroup
 from cluster.kv_transfer import KVStorage, KVTransferBackend
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class DecodeWorker:
                 one = dataclasses.replace(req, sampling_params=req.sampling_params.replace(n=1))
                 prefill = PrefillRequest(one, self.backend.endpoint(), tables, f"{self.engine_id}/{first}")
                 prefill_task = asyncio.create_task(self._remote_prefill(prefill, first, timings))
-            async for out in self._read(StepDeltas(rid, req.sample_index), len(group.samples), queue, timings):
+            async for out in self._read(StepDeltas(rid, req.sample_index), group, queue, timings):
                 yield out
         finally:
             if prefill_task is not None and not prefill_task.done():
@@ -103,13 +104,13 @@ class DecodeWorker:
                            "prefilling locally" if fallback else "failing the request")
             await self.engine.run(lambda e: e.fail_remote_prefill(rid, f"remote prefill failed: {exc}", fallback))
 
-    async def _read(self, deltas: StepDeltas, num_samples: int, queue: asyncio.Queue[Any],
+    async def _read(self, deltas: StepDeltas, group: RequestGroup, queue: asyncio.Queue[Any],
                     timings: dict[str, float]) -> AsyncIterator[StepOutput]:
         """Every sample's StepOutputs until all have finished; a sample's first carries the
-        timings (sample 0's: the prefill's; the others': their TTFT)."""
+        timings (sample 0's: the prefill's and its queue time; the others': their TTFT)."""
         start = time.monotonic()
         started: set[int] = set()
-        while deltas.finished_samples < num_samples:
+        while deltas.finished_samples < len(group.samples):
             item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
@@ -120,6 +121,10 @@ class DecodeWorker:
                     first = step.sample_index == deltas.first_sample
                     step.timings = (self._first_timings(timings, time.monotonic() - start) if first
                                     else {"ttft": time.monotonic() - start})
+                    if first:
+                        queued = queue_time(group) if "prefill_queue" not in timings else timings["prefill_queue"]
+                        if queued is not None:
+                            step.timings["queue"] = queued
                     if first and "num_cached_tokens" in timings:
                         step.num_cached_tokens = int(timings["num_cached_tokens"])
                 yield step
@@ -134,8 +139,10 @@ class DecodeWorker:
         return result
 
     async def stats(self, replica_id: str) -> ReplicaStats:
-        metrics = await self.engine.run(lambda e: e.metrics())
-        return replica_stats("decode", replica_id, metrics, self.backend.stats, {"remote_prefill_failures_total": float(self.remote_prefill_failures)})
+        metrics, preemptions = await self.engine.run(lambda e: (e.metrics(), e.scheduler.num_preemptions))
+        return replica_stats("decode", replica_id, metrics, self.backend.stats,
+                             {"remote_prefill_failures_total": float(self.remote_prefill_failures),
+                              "num_preemptions_total": float(preemptions)})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

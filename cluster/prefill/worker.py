@@ -123,9 +123,10 @@ class PrefillWorker:
     # --- introspection ------------------------------------------------------------------------------
 
     async def stats(self, replica_id: str) -> ReplicaStats:
-        metrics = await self.engine.run(lambda e: e.metrics())
+        metrics, preemptions = await self.engine.run(lambda e: (e.metrics(), e.scheduler.num_preemptions))
         return replica_stats("prefill", replica_id, metrics, self.backend.stats,
-                             {"prefill_requests_total": float(self.prefills_completed)})
+                             {"prefill_requests_total": float(self.prefills_completed),
+                              "num_preemptions_total": float(preemptions)})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -108,10 +108,24 @@ def test_errors_are_counted_by_status(fake, http):
     before = scrape(http)
     http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
     after = scrape(http)
-    labels = dict(route="/v1/completions", status="404")
+    labels = dict(model_name=SERVED_NAME, route="/v1/completions", status="404")
     old = value(before, "cluster:http_requests_total", **labels) if any(
         s.labels == labels for s in before.get("cluster:http_requests_total", [])) else 0
     assert value(after, "cluster:http_requests_total", **labels) == old + 1
+
+
+def test_every_metric_names_the_model(fake, client, http):
+    """Every sample carries ``model_name`` (the served name), as vLLM's metrics do, and the
+    replicas' counters (preemptions, prefills) come through as counters."""
+    client.completions.create(model=SERVED_NAME, prompt="hello", max_tokens=2)
+    fake.stats[0].extra["num_preemptions_total"] = 2
+    try:
+        samples = scrape(http)
+    finally:
+        del fake.stats[0].extra["num_preemptions_total"]
+    assert samples and all(s.labels.get("model_name") == SERVED_NAME for group in samples.values() for s in group)
+    assert value(samples, "cluster:num_preemptions_total", role="prefill") == 2
+    assert "cluster:request_queue_time_seconds_count" in samples
 
 
 @pytest.mark.parametrize("timeout,expected", [(None, 5.0), (2.0, 2.0), (10.0, 5.0)])
@@ -124,3 +138,36 @@ def test_server_request_timeout_caps_the_deadline(tokenizer, timeout, expected):
     [request] = fake.requests
     assert request.sampling_params.deadline_s == expected
     assert len(request.block_hashes) == len(request.prompt_token_ids) // 4
+
+
+def test_openapi_documents_the_request_and_response_bodies(http):
+    """/openapi.json names the request body of completions and chats (read by hand, so FastAPI
+    alone would not) and the responses, every ``$ref`` resolving within the document."""
+    doc = http.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+
+    def resolve(node):
+        return schemas[node["$ref"].rsplit("/", 1)[1]]
+
+    completions = doc["paths"]["/v1/completions"]["post"]
+    body = resolve(completions["requestBody"]["content"]["application/json"]["schema"])
+    assert {"model", "prompt", "max_tokens", "n", "stream", "logprobs"} <= set(body["properties"])
+    assert "prompt" in body.get("required", []) or "prompt" in body["properties"]
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert "messages" in resolve(chat["requestBody"]["content"]["application/json"]["schema"])["properties"]
+    assert "choices" in resolve(chat["responses"]["200"]["content"]["application/json"]["schema"])["properties"]
+    assert "error" in resolve(completions["responses"]["4XX"]["content"]["application/json"]["schema"])["properties"]
+    assert "data" in resolve(doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"])["properties"]
+    assert "/v1/models/{model_id}" in doc["paths"]
+
+    def refs(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                yield node["$ref"]
+            for v in node.values():
+                yield from refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from refs(v)
+    missing = [r for r in refs(doc) if r.rsplit("/", 1)[1] not in schemas]
+    assert not missing, missing

@@ -50,3 +50,26 @@ def test_local_server_generates(base_url):
     graphs = [b for b in httpx.get(f"{url}/v1/backends", timeout=5).json() if b["component"] == "cuda_graphs"]
     assert len(graphs) == 1 and graphs[0]["impl"] == "off" and graphs[0]["reason"].startswith("off: ")
     assert "cluster:cuda_graphs_captured" in httpx.get(f"{url}/metrics", timeout=5).text
+
+
+def test_local_server_n_samples_equal_offline_and_report_queue_time(base_url, tmp_path):
+    """n=3 through the single-process server: one request to the engine, samples equal to the
+    engine's own n=3 (sample 0 computes the prompt, the others share its blocks), and the queue
+    time and preemption counter reach /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    url, name = base_url
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    prompt = list(range(5, 60))
+    out = client.completions.create(model=name, prompt=prompt, n=3, max_tokens=5, temperature=0.8, seed=3,
+                                    logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    got = [[int(t.split(":", 1)[1]) for t in c.logprobs.tokens] for c in sorted(out.choices, key=lambda c: c.index)]
+    from cluster import LLM, SamplingParams
+    path = str(tmp_path / "llama")
+    make_checkpoint(path, "llama")
+    want = LLM(path, block_size=4).generate([prompt], SamplingParams(n=3, max_tokens=5, temperature=0.8, seed=3,
+                                                                     ignore_eos=True))[0]
+    assert got == [c.token_ids for c in want.outputs]
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text)}
+    queue = [s for s in families["cluster:request_queue_time_seconds"].samples if s.name.endswith("_count")]
+    assert queue and queue[0].value >= 1
+    assert "cluster:num_preemptions" in families
