@@ -64,16 +64,24 @@ def test_prefill_replica_killed_with_decode_kv_reserved(cluster, model_dir, expe
     blocks = len(PROMPTS) * per_prompt * (1 if fill == "full" else 2) + 1  # + the null block
     # Small prefill chunks: the prompts are still being computed when the replica dies.
     cluster.deploy({"model": model_dir, "kv_transfer": "ipc", "block_size": BLOCK, "num_kv_blocks": blocks,
-                    "max_num_batched_tokens": 128, "remote_kv_grace_s": 1.0})
+                    "max_num_batched_tokens": 64, "remote_kv_grace_s": 1.0})
     model = model_name(model_dir)
     failures_before = sum(cluster.metric("cluster:remote_prefill_failures_total", role="decode"))
-    names = _prefill_actors()
-    assert len(names) == 1
+
+    assert asyncio.run(_stream(cluster.base_url, model, PROMPTS[0][:20]))[0] == 200  # every path warm
+
+    def prefilling() -> bool:
+        return sum(cluster.metric("cluster:num_requests_running", role="prefill")) > 0
 
     async def load_then_kill():
         tasks = [asyncio.ensure_future(_stream(cluster.base_url, model, p)) for p in PROMPTS]
-        await asyncio.sleep(0.6)
-        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+        deadline = time.monotonic() + 10
+        while not await asyncio.to_thread(prefilling) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        names = _prefill_actors()  # now: a redeploy's replaced replicas may have lingered before
+        assert names
+        for name in names:
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         return await asyncio.wait_for(asyncio.gather(*tasks), 90)
 
     start = time.monotonic()
