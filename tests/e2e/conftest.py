@@ -3,6 +3,7 @@ with given settings and talk to it over HTTP."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from typing import Any
@@ -18,9 +19,19 @@ from tests.factories import make_checkpoint
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port outside the OS's ephemeral range and Ray's worker ports (10002-19999): Ray's
+    processes take ephemeral ports as they start, so one the OS handed out a moment ago (port 0)
+    could be taken again before Serve's proxy binds it (seen: "Failed to bind to address")."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 class Cluster:
