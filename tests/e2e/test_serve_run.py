@@ -74,7 +74,8 @@ def test_default_app_answers_the_openai_client(served):
     assert graphs["decode"]["impl"] == "off" and "the device is cpu" in graphs["decode"]["reason"]
     assert "prefill role" in graphs["prefill"]["reason"]
     metrics = httpx.get(f"{BASE}/metrics", timeout=10).text
-    assert re.search(r'^cluster:cuda_graphs_captured\{replica="[^"]+",role="decode"\} 0\.0$', metrics, re.M), metrics
+    assert re.search(r'^cluster:cuda_graphs_captured\{model_name="SmolLM2-135M-Instruct",replica="[^"]+",role="decode"\} 0\.0$',
+                     metrics, re.M), metrics
 
 
 def test_idle_service_leaves_the_cpu_idle(served):
