@@ -555,14 +555,17 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
 
 
 def recovery(timeline: list[dict[str, Any]], phases: list[Phase], args: argparse.Namespace) -> list[int | None]:
-    """Planning intervals after each phase shift until the p90 targets are met again."""
-    out = []
-    start = 0.0
-    for ph in phases[:-1]:
+    """Per phase after a shift: the planning intervals from the shift until the p90 targets are
+    met and stay met to the phase's end (None: not within the phase). The p90s are over the last
+    30 s, so the first intervals after a shift still show the old phase."""
+    out: list[int | None] = []
+    start = phases[0].seconds
+    for ph in phases[1:]:
+        inside = [x for x in timeline if start < x["t"] <= start + ph.seconds]
+        met = [x["ttft_p90"] <= args.ttft and x["itl_p90"] <= args.itl for x in inside]
+        last_bad = max((i for i, ok in enumerate(met) if not ok), default=-1)
+        out.append(last_bad + 1 if last_bad + 1 < len(met) else None)
         start += ph.seconds
-        after = [x for x in timeline if x["t"] > start]
-        n = next((i for i, x in enumerate(after) if x["ttft_p90"] <= args.ttft and x["itl_p90"] <= args.itl), None)
-        out.append(n)
     return out
 
 

@@ -118,15 +118,15 @@ class DecodeWorker:
             for step in deltas.take(out):
                 if step.sample_index not in started:
                     started.add(step.sample_index)
-                    first = step.sample_index == deltas.first_sample
-                    step.timings = (self._first_timings(timings, time.monotonic() - start) if first
-                                    else {"ttft": time.monotonic() - start})
-                    if first:
-                        queued = queue_time(group) if "prefill_queue" not in timings else timings["prefill_queue"]
+                    if step.sample_index != deltas.first_sample:
+                        step.timings = {"ttft": time.monotonic() - start}
+                    else:
+                        step.timings = self._first_timings(timings, time.monotonic() - start)
+                        queued = timings["prefill_queue"] if "prefill_queue" in timings else queue_time(group)
                         if queued is not None:
                             step.timings["queue"] = queued
-                    if first and "num_cached_tokens" in timings:
-                        step.num_cached_tokens = int(timings["num_cached_tokens"])
+                        if "num_cached_tokens" in timings:
+                            step.num_cached_tokens = int(timings["num_cached_tokens"])
                 yield step
 
     @staticmethod
