@@ -181,7 +181,6 @@ class Replica:
     queued_tokens: float = 0.0
     head_done: float = 0.0  # prompt tokens of the queue head already computed
     kv_used: float = 0.0
-    gpu: int = 0
 
 
 class Simulation:

@@ -45,13 +45,13 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
-#: StepOutput.timings key -> TTFT breakdown histogram name.
+#: StepOutput.timings key -> (histogram name, help): the TTFT breakdown, and the queue time.
 TTFT_PARTS = {
-    "prefill_queue": "cluster:ttft_prefill_queue_seconds",
-    "prefill_compute": "cluster:ttft_prefill_compute_seconds",
-    "transfer": "cluster:ttft_kv_transfer_seconds",
-    "first_decode": "cluster:ttft_first_decode_seconds",
-    "queue": "cluster:request_queue_time_seconds",
+    "prefill_queue": ("cluster:ttft_prefill_queue_seconds", "TTFT breakdown: prefill_queue."),
+    "prefill_compute": ("cluster:ttft_prefill_compute_seconds", "TTFT breakdown: prefill_compute."),
+    "transfer": ("cluster:ttft_kv_transfer_seconds", "TTFT breakdown: transfer."),
+    "first_decode": ("cluster:ttft_first_decode_seconds", "TTFT breakdown: first_decode."),
+    "queue": ("cluster:request_queue_time_seconds", "Arrival to the first step computing the prompt."),
 }
 #: ReplicaStats field -> (metric name, help) rendered as a gauge.
 _REPLICA_GAUGES = {
@@ -162,9 +162,7 @@ class ServerMetrics:
         self.itl = histogram("cluster:inter_token_latency_seconds", "Time between two outputs carrying tokens.",
                              ITL_BUCKETS)
         self.e2e = histogram("cluster:e2e_request_latency_seconds", "Arrival to the last output.", E2E_BUCKETS)
-        self.ttft_parts = {key: histogram(name, f"TTFT breakdown: {key}." if key != "queue" else
-                                          "Arrival to the first step computing the prompt.", TTFT_BUCKETS)
-                           for key, name in TTFT_PARTS.items()}
+        self.ttft_parts = {key: histogram(name, doc, TTFT_BUCKETS) for key, (name, doc) in TTFT_PARTS.items()}
         self.finished = Counter("cluster:request_finished", "Samples finished, by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self.prompt_tokens = Counter("cluster:prompt_tokens", "Prompt tokens of accepted requests.", model,
