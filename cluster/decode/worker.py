@@ -4,11 +4,13 @@ landed it decodes the rest in its batch, streaming StepOutputs. A request's ``n`
 prefill call: samples 1..n-1 wait for sample 0's KV, then take its full blocks from the prefix
 cache and compute only the last partial block's tokens here.
 
-A sample's states here: RESERVED (blocks held) -> RECEIVING (the prefill worker writes) ->
-RUNNING (decoding) -> FINISHED. RECEIVING ends within ``kv_transfer_timeout_s``: on a failure or
-timeout the sample is prefilled here instead (or fails, if fallback is off). Short prompts, or all
-prompts when there is no prefill worker, are prefilled here from the start (LOCAL). Abandoned
-reservations stay out of use for a grace period, so a late write cannot land in reused blocks."""
+A sample's states here: WAITING (for blocks to reserve: first come, first served, as a local
+request waits in the scheduler's queue; bounded by ``max_waiting`` and the deadline) -> RESERVED
+(blocks held) -> RECEIVING (the prefill worker writes) -> RUNNING (decoding) -> FINISHED.
+RECEIVING ends within ``kv_transfer_timeout_s``: on a failure or timeout the sample is prefilled
+here instead (or fails, if fallback is off). Short prompts, or all prompts when there is no
+prefill worker, are prefilled here from the start (LOCAL). Abandoned reservations stay out of use
+for a grace period, so a late write cannot land in reused blocks."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from cluster.common.errors import OverloadedError
+from cluster.common.errors import OverloadedError, RequestTimeoutError
 from cluster.common.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReplicaStats, StepDeltas,
                                      StepOutput)
 from cluster.common.outputs import RequestOutput
@@ -32,6 +34,9 @@ from cluster.kv_transfer import KVStorage, KVTransferBackend
 logger = logging.getLogger(__name__)
 
 PrefillFn = Callable[[PrefillRequest], Awaitable[PrefillResult]]
+
+#: How often a request waiting for KV blocks to reserve tries again.
+RESERVE_POLL_S = 0.01
 
 
 class DecodeWorker:
@@ -48,6 +53,9 @@ class DecodeWorker:
         self.max_model_len = engine.scheduler_config.max_model_len
         #: Remote prefills that failed (then prefilled here, or failed the request).
         self.remote_prefill_failures = 0
+        #: Requests waiting for KV blocks to reserve take them first come, first served.
+        self._reserve_turn = asyncio.Lock()
+        self._reserve_waiting = 0
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StepOutput]:
         rid = req.request_id
@@ -62,12 +70,7 @@ class DecodeWorker:
             if req.local_prefill or self.prefill_fn is None:
                 await self.engine.run(lambda e: e.add_group(group))
             else:
-                # One engine command: a step between reserving and reading the tables could end
-                # the request (its deadline) and take its blocks away.
-                tables = await self.engine.run(
-                    lambda e: [list(t) for t in e.kv.block_tables(first)] if e.reserve_remote(group) else None)
-                if tables is None:
-                    raise OverloadedError("decode worker has no free KV blocks or sequence slots")
+                tables = await self._reserve(group)
                 one = dataclasses.replace(req, sampling_params=req.sampling_params.replace(n=1))
                 prefill = PrefillRequest(one, self.backend.endpoint(), tables, f"{self.engine_id}/{first}")
                 prefill_task = asyncio.create_task(self._remote_prefill(prefill, first, timings))
@@ -78,6 +81,40 @@ class DecodeWorker:
                 prefill_task.cancel()
             self.engine.close_stream(rid)
             self.engine.submit(lambda e: e.abort_request(rid))  # no-op once finished
+
+    async def _reserve(self, group: RequestGroup) -> list[list[int]]:
+        """Reserve KV blocks for sample 0's prompt and return its block tables. With no room now
+        (the blocks are in use, or held for an abandoned transfer's grace period) the request
+        waits its turn, as a local one waits in the scheduler's queue: until blocks come back,
+        its deadline passes (RequestTimeoutError) or the client goes. OverloadedError only when
+        ``max_waiting`` requests already wait."""
+        first = group.samples[0].request_id
+
+        def attempt(e: LLMEngine) -> list[list[int]] | None:
+            # One engine command: a step between reserving and reading the tables could end the
+            # request (its deadline) and take its blocks away.
+            return [list(t) for t in e.kv.block_tables(first)] if e.reserve_remote(group) else None
+
+        if not self._reserve_turn.locked():  # nobody waits ahead of this request
+            tables = await self.engine.run(attempt)
+            if tables is not None:
+                return tables
+        if self._reserve_waiting >= self.config.scheduler.max_waiting:
+            raise OverloadedError(f"decode worker has no free KV blocks or sequence slots and "
+                                  f"{self._reserve_waiting} requests wait for them")
+        deadline = group.samples[0].deadline
+        self._reserve_waiting += 1
+        try:
+            async with self._reserve_turn:
+                while True:
+                    tables = await self.engine.run(attempt)
+                    if tables is not None:
+                        return tables
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise RequestTimeoutError("deadline exceeded waiting for KV blocks on the decode worker")
+                    await asyncio.sleep(RESERVE_POLL_S)
+        finally:
+            self._reserve_waiting -= 1
 
     async def _remote_prefill(self, prefill: PrefillRequest, rid: str, timings: dict[str, float]) -> None:
         """Sample ``rid``'s prompt computed by a prefill worker into the reserved blocks."""
@@ -140,6 +177,7 @@ class DecodeWorker:
 
     async def stats(self, replica_id: str) -> ReplicaStats:
         metrics, preemptions = await self.engine.run(lambda e: (e.metrics(), e.scheduler.num_preemptions))
+        metrics["num_requests_waiting"] += self._reserve_waiting  # those waiting for blocks to reserve
         return replica_stats("decode", replica_id, metrics, self.backend.stats,
                              {"remote_prefill_failures_total": float(self.remote_prefill_failures),
                               "num_preemptions_total": float(preemptions)})

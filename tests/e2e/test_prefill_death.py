@@ -3,7 +3,8 @@ half, reserved for the prompts it is computing, through the real Ray app: every 
 to a prefill on the decode replica, which waits for blocks (the reservations come back after
 their grace period) instead of dropping requests, and all 16 streams answer, equal to offline
 greedy decoding. Before, with the KV full, all 16 streams stayed open without a byte until the
-clients gave up."""
+clients gave up; and a request that came just after the kill got a 503 (no block to reserve)
+instead of waiting its turn."""
 from __future__ import annotations
 
 import asyncio
@@ -73,6 +74,9 @@ def test_prefill_replica_killed_with_decode_kv_reserved(cluster, model_dir, expe
     def prefilling() -> bool:
         return sum(cluster.metric("cluster:num_requests_running", role="prefill")) > 0
 
+    def failed() -> bool:
+        return sum(cluster.metric("cluster:remote_prefill_failures_total", role="decode")) > failures_before
+
     async def load_then_kill():
         tasks = [asyncio.ensure_future(_stream(cluster.base_url, model, p)) for p in PROMPTS]
         deadline = time.monotonic() + 10
@@ -82,13 +86,19 @@ def test_prefill_replica_killed_with_decode_kv_reserved(cluster, model_dir, expe
         assert names
         for name in names:
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        # One more once decode knows: with the KV full (reservations held for their grace, the
+        # fallbacks queued) it waits its turn for blocks instead of a 503.
+        deadline = time.monotonic() + 10
+        while not await asyncio.to_thread(failed) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        tasks.append(asyncio.ensure_future(_stream(cluster.base_url, model, PROMPTS[0])))
         return await asyncio.wait_for(asyncio.gather(*tasks), 90)
 
     start = time.monotonic()
     answers = asyncio.run(load_then_kill())
-    assert [status for status, _, _ in answers] == [200] * 16, answers
+    assert [status for status, _, _ in answers] == [200] * 17, answers
     assert all(finish == "length" for _, _, finish in answers)
-    assert [ids for _, ids, _ in answers] == expected
+    assert [ids for _, ids, _ in answers] == expected + expected[:1]
     assert time.monotonic() - start < 90
     failures = cluster.wait_for_metric("cluster:remote_prefill_failures_total",
                                        lambda v: sum(v) > failures_before, role="decode")
