@@ -20,7 +20,8 @@ TransferBackendName = Literal["auto", "ipc", "nixl", "nccl", "local"]
 class ModelConfig:
     #: HF-style directory, a .gguf file, or the embedded default's name "smollm2".
     model: str = "smollm2"
-    #: "float32", "bfloat16" or "float16"; None: float32 on CPU, bfloat16 on CUDA.
+    #: "float32", "bfloat16" or "float16"; None: bfloat16 on CUDA, float32 on CPU with a GGUF
+    #: file's 4-bit projections kept quantized (cluster.models.cpu_quant; "float32" dequantizes all).
     dtype: str | None = None
     #: "cpu", "cuda", "cuda:N"; None: CUDA when present, else CPU.
     device: str | None = None

@@ -89,7 +89,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(model_config.model, self.device, self.dtype, {
             "attention_backend": model_config.attention_backend, "moe_backend": model_config.moe_backend,
             "draft_moe_backend": model_config.draft_moe_backend}, load_format=model_config.load_format,
-            seed=model_config.seed)
+            seed=model_config.seed, keep_quantized=model_config.dtype is None)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.startup_timings["load_s"] = time.perf_counter() - start

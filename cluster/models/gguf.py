@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -105,6 +105,62 @@ class GGUFCheckpoint:
             elif permute and ".self_attn.k_proj." in name:
                 weights = _unpermute_rotary(weights, kv_heads)
             yield name, weights
+
+
+    def tensor_types(self) -> dict[str, str]:
+        """HF name -> the file's type for that tensor (``"Q4_1"``, ``"Q8_0"``, ``"F32"``...)."""
+        return {name: t.tensor_type.name for t, name in zip(self._reader.tensors, self.hf_names)}
+
+    def q4_1_tensors(self) -> Iterator[tuple[str, Q41Blocks]]:
+        """(HF name, its 4-bit codes, scales and minimums, undequantized) for every Q4_1 tensor,
+        in HF layout (q/k rows unpermuted as ``tensors()`` does)."""
+        permute = _ARCHITECTURES[self.config["model_type"]].permuted_qk
+        heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
+        for tensor, name in zip(self._reader.tensors, self.hf_names):
+            if tensor.tensor_type != GGMLQuantizationType.Q4_1:
+                continue
+            blocks = _q4_1_blocks(tensor, self.path)
+            if permute and ".self_attn.q_proj." in name:
+                blocks = blocks.map(lambda t: _unpermute_rotary(t, heads))
+            elif permute and ".self_attn.k_proj." in name:
+                blocks = blocks.map(lambda t: _unpermute_rotary(t, kv_heads))
+            yield name, blocks
+
+
+@dataclass(frozen=True)
+class Q41Blocks:
+    """A Q4_1 tensor ``[N, K]`` as stored: per group of 32 along K, ``w = scale * code + minimum``."""
+
+    codes: torch.Tensor    # [N, K] uint8, 0..15
+    scale: torch.Tensor    # [N, K / 32] float32 (stored as float16)
+    minimum: torch.Tensor  # [N, K / 32] float32 (stored as float16)
+
+    def map(self, fn: Any) -> Q41Blocks:
+        """The same rows rearranged by ``fn`` (a function of a tensor's leading dimension)."""
+        return Q41Blocks(fn(self.codes), fn(self.scale), fn(self.minimum))
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        grouped = self.codes.float().reshape(n, k // Q4_1_GROUP, Q4_1_GROUP)
+        return (grouped * self.scale[..., None] + self.minimum[..., None]).reshape(n, k)
+
+
+Q4_1_GROUP = 32
+
+
+def _q4_1_blocks(tensor: ReaderTensor, path: str) -> Q41Blocks:
+    """Split a Q4_1 tensor's bytes: each block of 32 weights is float16 d, float16 m, then 16
+    bytes whose low nibbles are weights 0..15 and high nibbles weights 16..31."""
+    n, k = (int(d) for d in reversed(tensor.shape.tolist()))
+    try:
+        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(n, k // Q4_1_GROUP, 4 + Q4_1_GROUP // 2)
+    except _READ_ERRORS as exc:
+        raise ModelLoadError(f"{path}: cannot read tensor {tensor.name!r}: {exc}") from exc
+    d = np.ascontiguousarray(raw[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    m = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    qs = raw[..., 4:]
+    codes = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1).reshape(n, k)
+    return Q41Blocks(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d), torch.from_numpy(m))
 
 
 def read_gguf(path: str) -> GGUFCheckpoint:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from cluster.models.ops import REFERENCE_OPS, Ops
+from kernels.cpu_quant import Q4Weight, linear_q4
 
 
 class Linear(nn.Module):
@@ -18,9 +19,18 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        #: CPU only: the weight as 4-bit codes (cluster.models.cpu_quant); ``weight`` is then empty.
+        self.quantized: Q4Weight | None = None
+
+    def quantize(self, weight: Q4Weight) -> None:
+        """Run on ``weight`` (the CPU int4 kernel) from now on, and free the float weight."""
+        self.quantized = weight
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """``gated``: the weight is ``[gate; up]`` and the result ``silu(gate) * up``."""
+        if self.quantized is not None:
+            return linear_q4(x, self.quantized, self.bias, gated=gated)
         return self.ops.linear(x, self.weight, self.bias, gated=gated)
 
 

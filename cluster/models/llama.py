@@ -13,6 +13,7 @@ from cluster.common.errors import UnsupportedArchitectureError
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.context import ForwardContext
 from cluster.models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from kernels.cpu_quant import Q8Weight, linear_q8
 from kernels.rotary import rope_cos_sin, rope_inv_freq
 from cluster.models.loader import ParamTarget
 from cluster.models.ops import REFERENCE_OPS, Ops
@@ -140,6 +141,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, dtype)
         self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling),
                              persistent=False)
+        #: CPU only (cluster.models.cpu_quant): the tied logits projection as int8 rows, and the
+        #: kernel table rows of the quantized weights.
+        self.quantized_logits: Q8Weight | None = None
+        self.quantized_kernels: list[dict[str, Any]] = []
+
+    def quantize_logits(self, weight: Q8Weight) -> None:
+        self.quantized_logits = weight
 
     @property
     def cuda_graph_blocker(self) -> str | None:
@@ -155,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         return self.cuda_graph_blocker is None
 
     def kernel_choices(self) -> list[dict[str, Any]]:
-        return list(self.ops.table)
+        return list(self.ops.table) + list(self.quantized_kernels)
 
     @property
     def vocab_size(self) -> int:
@@ -181,6 +189,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized_logits is not None:
+            return linear_q8(hidden, self.quantized_logits).float()
+        if self.lm_head is not None and self.lm_head.quantized is not None:
+            return self.lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
 

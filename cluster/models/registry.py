@@ -122,12 +122,15 @@ def load_tokenizer(model: str) -> tuple[Tokenizer | None, dict[str, Any]]:
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype,
                kernel_overrides: dict[str, str] | None = None, *, load_format: str = "auto",
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, keep_quantized: bool = False) -> LoadedModel:
     """Load a model onto ``device``, with the kernels ``kernels.dispatch`` chooses for it there
     (``kernel_overrides``: attention_backend, moe_backend, draft_moe_backend). ``load_format=
-    "dummy"``: random weights (:mod:`cluster.models.dummy`) instead of the checkpoint's."""
+    "dummy"``: random weights (:mod:`cluster.models.dummy`) instead of the checkpoint's.
+    ``keep_quantized``: on a CPU, a GGUF file's quantized projections stay quantized
+    (:mod:`cluster.models.cpu_quant`); elsewhere it changes nothing."""
     path = resolve_model_path(model)
     dummy = load_format == "dummy"
+    checkpoint = None
     if os.path.isfile(path) and path.endswith(".gguf") and not dummy:
         from cluster.models.gguf import read_gguf
         checkpoint = read_gguf(path)
@@ -154,6 +157,9 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
         net.load_weights(weights, total=total, desc=desc)
     else:
         load_into(net, weights, net.checkpoint_targets(), ignore=net.ignored_tensors, total=total, desc=desc)
+    if keep_quantized and checkpoint is not None and device.type == "cpu" and hasattr(net, "quantized_kernels"):
+        from cluster.models.cpu_quant import quantize_for_cpu
+        net.quantized_kernels = quantize_for_cpu(net, checkpoint)
     net.eval()
     return LoadedModel(net, tokenizer, config, path)
 

@@ -16,7 +16,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("smollm2", max_num_batched_tokens=512)
+    return LLM("smollm2", max_num_batched_tokens=512, dtype="float32")  # the exact path (not the 4-bit one)
 
 
 @pytest.fixture(scope="module")

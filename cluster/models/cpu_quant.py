@@ -1,0 +1,80 @@
+"""GGUF weights kept quantized on the CPU (the embedded default's decode path).
+
+A GGUF file's Q4_1 projections are repacked once, after loading, for the CPU int4 kernel
+(``kernels.cpu_quant``): their 4-bit codes are kept exactly, the scales and zeros in bfloat16.
+The logits projection of a tied, already quantized embedding (SmolLM2's Q8_0) becomes int8 with
+one scale per row. Everything else (embedding lookup, norms, attention, residuals) stays float32.
+A decode step then reads about 94 MB of weights for SmolLM2-135M instead of 540.
+
+Selected by ``dtype=None`` (the default) on a CPU; ``dtype="float32"`` keeps the exact float32
+path (the one compared with transformers). GPUs never take it."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from cluster.models.layers import Linear
+from cluster.models.loader import ParamTarget
+from kernels.cpu_quant import can_pack_q4, int4_cpu_available, pack_q4, pack_q8_rows
+
+logger = logging.getLogger(__name__)
+
+#: GGUF types of an embedding that is already quantized (its int8 repacking loses little more).
+_QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+
+
+def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
+    """Repack ``net``'s projections from ``checkpoint`` (a GGUFCheckpoint); returns the kernel
+    table rows to report (empty when nothing could be repacked)."""
+    if not int4_cpu_available():
+        logger.warning("this torch build has no CPU int4/int8 weight-only kernels: GGUF weights run "
+                       "dequantized to float32 (about 6x more memory traffic per decode step)")
+        return [{"component": "linear", "op": "linear", "format": "gguf", "impl": "torch", "device": "cpu",
+                 "role": "main", "reason": "fell back: torch has no _weight_int4pack_mm_for_cpu"}]
+    targets: dict[str, ParamTarget] = net.checkpoint_targets()
+    by_param: dict[str, list[tuple[ParamTarget, Any]]] = {}
+    for name, blocks in checkpoint.q4_1_tensors():
+        target = targets.get(name)
+        if target is not None and target.dim == 0:
+            by_param.setdefault(target.param, []).append((target, blocks))
+    modules = dict(net.named_modules())
+    packed = kept = 0
+    q4_bytes = 0
+    for param, parts in by_param.items():
+        module = modules.get(param.removesuffix(".weight"))
+        if not isinstance(module, Linear) or not param.endswith(".weight"):
+            continue
+        n, k = module.out_features, module.in_features
+        covered = sum(t.size if t.size is not None else n for t, _ in parts)
+        if covered != n or not can_pack_q4(n, k):
+            kept += 1
+            continue
+        codes = torch.empty(n, k, dtype=torch.uint8)
+        scale = torch.empty(n, k // 32)
+        minimum = torch.empty(n, k // 32)
+        for target, blocks in parts:
+            rows = slice(target.offset, target.offset + (target.size if target.size is not None else n))
+            codes[rows], scale[rows], minimum[rows] = blocks.codes, blocks.scale, blocks.minimum
+        module.quantize(pack_q4(codes, scale, minimum))
+        packed += 1
+        q4_bytes += module.quantized.nbytes if module.quantized is not None else 0
+    rows = [{"component": "linear", "op": "linear", "format": "gguf_q4_1", "impl": "torch_int4pack_cpu",
+             "device": "cpu", "role": "main",
+             "reason": f"{packed} projections keep the file's 4-bit codes ({q4_bytes / 2**20:.0f} MiB; scales and "
+                       f"zeros in bfloat16, activations rounded to bfloat16 for the matmul)"
+                       + (f"; {kept} stay float32 (shapes the kernel does not take)" if kept else "")}]
+    embed_type = checkpoint.tensor_types().get("model.embed_tokens.weight", "F32")
+    if getattr(net, "lm_head", None) is None and embed_type in _QUANTIZED_TYPES and hasattr(net, "quantize_logits"):
+        weight = net.embed_tokens.weight.detach()
+        if weight.shape[0] % 16 == 0:
+            q8 = pack_q8_rows(weight)
+            net.quantize_logits(q8)
+            rows.append({"component": "logits", "op": "linear", "format": f"gguf_{embed_type.lower()}->int8_row",
+                         "impl": "torch_int8pack_cpu", "device": "cpu", "role": "main",
+                         "reason": f"the tied {embed_type} embedding as int8 with one scale per row "
+                                   f"({q8.nbytes / 2**20:.0f} MiB)"})
+    logger.info("CPU weights: %s", "; ".join(r["reason"] for r in rows))
+    return rows

@@ -1,0 +1,123 @@
+"""Weight-only quantized matmuls on the CPU: what keeps a GGUF file's 4- and 8-bit weights
+quantized in memory, so a decode step reads about 0.6 bytes per weight instead of 4.
+
+- ``Q4Weight``: 4-bit weights in groups of ``group_size`` along the input dimension, each group
+  with a scale and a minimum (llama.cpp's Q4_1: ``w = d * q + m``, ``q`` in 0..15), repacked once
+  at load for torch's CPU int4 kernel (``torch._weight_int4pack_mm_for_cpu``, AVX-512 / AVX2).
+  Its convention is ``w = (q - 8) * scale + zero``, so ``scale = d`` and ``zero = m + 8 d``: the
+  4-bit codes are kept exactly; the scale and zero are stored in bfloat16 (the kernel's dtype).
+- ``Q8Weight``: 8-bit weights with one scale per output row (``torch._weight_int8pack_mm``),
+  for the logits projection of a file whose embedding is already quantized (Q8_0: one scale
+  per 32 weights; repacking to one per row rounds each weight again, by at most half a step of
+  its row's scale).
+
+Both kernels take bfloat16 activations and return bfloat16; the callers here convert from and
+back to the model's float32 at the boundary, so everything else (norms, attention, residuals)
+stays float32. The references (``*_ref``) dequantize to float32 and multiply as ``F.linear``,
+for tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_and_mul_ref
+
+GROUP_SIZE = 32
+
+
+def int4_cpu_available() -> bool:
+    """Whether this torch build has the CPU int4 and int8 weight-only kernels."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    packed: torch.Tensor        # torch._convert_weight_to_int4pack_for_cpu of the [N, K] codes
+    scales_zeros: torch.Tensor  # [K / group, N, 2] bfloat16: (scale, zero)
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    codes: torch.Tensor   # [N, K] int8
+    scales: torch.Tensor  # [N] bfloat16
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 2
+
+
+def can_pack_q4(out_features: int, in_features: int, group_size: int = GROUP_SIZE) -> bool:
+    """Shapes the CPU int4 kernel takes: whole groups along K, K even, N a multiple of 16."""
+    return in_features % group_size == 0 and in_features % 2 == 0 and out_features % 16 == 0
+
+
+def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+            group_size: int = GROUP_SIZE) -> Q4Weight:
+    """``codes [N, K]`` in 0..15, ``scale`` and ``minimum [N, K / group_size]``: the weight is
+    ``scale * codes + minimum`` group by group (Q4_1's d and m)."""
+    n, k = codes.shape
+    if not can_pack_q4(n, k, group_size):
+        raise ValueError(f"a [{n}, {k}] weight does not fit the CPU int4 kernel (group {group_size})")
+    if scale.shape != (n, k // group_size) or minimum.shape != scale.shape:
+        raise ValueError(f"scale/minimum must be [{n}, {k // group_size}], got {tuple(scale.shape)}")
+    scale32, minimum32 = scale.float(), minimum.float()
+    zero = minimum32 + 8 * scale32
+    scales_zeros = torch.stack([scale32.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    return Q4Weight(packed, scales_zeros, group_size, n, k)
+
+
+def q4_dequantize_ref(codes: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
+    """The float32 weight ``weight`` holds (with its bfloat16 scales and zeros), from ``codes``."""
+    n, k, g = weight.out_features, weight.in_features, weight.group_size
+    scale = weight.scales_zeros[..., 0].float().t()  # [N, K / g]
+    zero = weight.scales_zeros[..., 1].float().t()
+    grouped = codes.float().reshape(n, k // g, g)
+    return ((grouped - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
+
+
+def linear_q4(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None, *,
+              gated: bool = False) -> torch.Tensor:
+    """``x [T, K]`` (any float dtype) -> ``[T, N]`` in ``x``'s dtype; ``gated``: the weight is
+    ``[gate; up]`` and the result ``silu(gate) * up``."""
+    y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,
+                                          weight.scales_zeros).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return silu_and_mul_ref(y) if gated else y
+
+
+def pack_q8_rows(weight: torch.Tensor) -> Q8Weight:
+    """``weight [N, K]`` as int8 codes with one scale per row (max |w| / 127)."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    scale_bf16 = scale.to(torch.bfloat16)
+    codes = (w / scale_bf16.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return Q8Weight(codes.contiguous(), scale_bf16.contiguous())
+
+
+def q8_dequantize_ref(weight: Q8Weight) -> torch.Tensor:
+    return weight.codes.float() * weight.scales.float()[:, None]
+
+
+def linear_q8(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
+    """``x [T, K]`` -> ``[T, N]`` in ``x``'s dtype."""
+    return torch._weight_int8pack_mm(x.to(torch.bfloat16), weight.codes, weight.scales).to(x.dtype)
+
+
+def linear_q4_ref(x: torch.Tensor, codes: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None,
+                  *, gated: bool = False) -> torch.Tensor:
+    """``linear_q4`` in float32 from the dequantized weight (activations rounded to bfloat16 as
+    the kernel takes them)."""
+    y = F.linear(x.to(torch.bfloat16).float(), q4_dequantize_ref(codes, weight), None if bias is None else bias.float())
+    return silu_and_mul_ref(y) if gated else y

@@ -1,0 +1,127 @@
+"""GGUF weights kept quantized on the CPU: the int4 / int8 weight-only kernels against their
+float32 references, the Q4_1 codes read from the file exactly, and the embedded default served
+on them by default, with the same greedy tokens as the float32 path on the README's prompts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from cluster.models.gguf import read_gguf
+from cluster.models.registry import resolve_model_path
+from kernels.cpu_quant import (can_pack_q4, int4_cpu_available, linear_q4, linear_q4_ref, linear_q8, pack_q4,
+                               pack_q8_rows, q8_dequantize_ref)
+
+pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="torch has no CPU int4 weight-only kernel")
+
+README_CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+                [{"role": "user", "content": "Tell me about Paris."}]]
+README_PROMPTS = ["Write a short story about a robot who learns to paint. Describe the colors it sees."]
+
+
+def _random_q4(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    minimum = -torch.rand(n, k // 32, generator=g) * 0.1
+    return codes, scale, minimum
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("gated", [False, True])
+def test_int4_linear_matches_its_dequantized_reference(rows, gated):
+    codes, scale, minimum = _random_q4(64, 96)
+    weight = pack_q4(codes, scale, minimum)
+    x = torch.randn(rows, 96)
+    bias = torch.randn(64)
+    got = linear_q4(x, weight, bias, gated=gated)
+    ref = linear_q4_ref(x, codes, weight, bias, gated=gated)
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    # the kernel returns bfloat16: its rounding, not more
+    assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_int4_packing_keeps_the_codes_and_rounds_only_scales_to_bfloat16():
+    codes, scale, minimum = _random_q4(32, 64, seed=1)
+    weight = pack_q4(codes, scale, minimum)
+    exact = (codes.float().reshape(32, 2, 32) * scale[..., None] + minimum[..., None]).reshape(32, 64)
+    from kernels.cpu_quant import q4_dequantize_ref
+    stored = q4_dequantize_ref(codes, weight)
+    # per weight: the bfloat16 rounding of scale and zero (2**-8 relative), nothing from the codes
+    step = scale.repeat_interleave(32, dim=1)
+    assert (stored - exact).abs().max() <= (2 ** -8) * (exact.abs().max() + 16 * step.max())
+    assert weight.nbytes < 32 * 64 * 4 / 5  # about 0.6 bytes per weight, not 4
+
+
+def test_int4_packing_refuses_shapes_the_kernel_cannot_take():
+    assert can_pack_q4(16, 32) and not can_pack_q4(8, 32) and not can_pack_q4(16, 48)
+    codes, scale, minimum = _random_q4(8, 32)
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_q4(codes, scale, minimum)
+
+
+def test_int8_rows_match_their_reference():
+    w = torch.randn(48, 64)
+    q8 = pack_q8_rows(w)
+    assert (q8_dequantize_ref(q8) - w).abs().max() <= 0.51 * (w.abs().amax(1) / 127).max() * 1.01
+    x = torch.randn(2, 64)
+    ref = x.to(torch.bfloat16).float() @ q8_dequantize_ref(q8).t()
+    got = linear_q8(x, q8)
+    assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_gguf_q4_1_codes_dequantize_to_the_float32_tensors_exactly():
+    checkpoint = read_gguf(resolve_model_path("smollm2"))
+    full = dict(checkpoint.tensors())
+    seen = 0
+    for name, blocks in checkpoint.q4_1_tensors():
+        assert blocks.codes.dtype == torch.uint8 and int(blocks.codes.max()) <= 15
+        assert torch.equal(blocks.dequantize(), full[name]), name  # q/k rows unpermuted the same way
+        seen += 1
+    assert seen == 7 * 30  # every projection of SmolLM2's 30 layers is Q4_1 in this file
+    assert checkpoint.tensor_types()["model.embed_tokens.weight"] == "Q8_0"
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    return LLM("smollm2")
+
+
+@pytest.fixture(scope="module")
+def exact():
+    return LLM("smollm2", dtype="float32")
+
+
+def test_default_cpu_engine_keeps_the_4_bit_weights_and_says_so(quantized, exact):
+    model = quantized.engine.model
+    layer = model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert linear.quantized is not None and linear.weight.numel() == 0
+    table = {row["component"]: row for row in model.kernel_choices() if row["component"] in ("linear", "logits")}
+    assert table["logits"]["impl"] == "torch_int8pack_cpu"
+    assert any(row["impl"] == "torch_int4pack_cpu" for row in model.kernel_choices())
+    # dtype="float32": the exact path, every weight dequantized
+    assert exact.engine.model.layers[0].mlp.gate_up_proj.quantized is None
+    assert exact.engine.model.quantized_logits is None
+    assert not any(row["impl"].endswith("pack_cpu") for row in exact.engine.model.kernel_choices())
+
+
+def test_quantized_greedy_tokens_equal_the_float32_path_on_the_readme_prompts(quantized, exact):
+    """The README's two chats answered to their end (up to 64 tokens): the same greedy tokens.
+    (Past an answer's end, with ignore_eos, or on a raw prompt that makes the model write chat
+    markup, the two part after 10-20 tokens where its top logits are nearly tied;
+    bench/engine.py reports how far each agrees with the other and with llama.cpp.)"""
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    for chat in README_CHATS:
+        want = exact.chat(chat, params)[0].outputs[0]
+        got = quantized.chat(chat, params)[0].outputs[0]
+        assert got.token_ids == want.token_ids, (chat, got.text, want.text)
+        assert len(got.token_ids) > 5
+
+
+def test_quantized_batches_equal_single_requests(quantized):
+    """Batched decode on the int4 kernel gives each request the tokens it gets alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [f"{i}. {README_PROMPTS[0]}" for i in range(4)]
+    alone = [quantized.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in quantized.generate(prompts, params)] == alone
