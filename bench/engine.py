@@ -7,6 +7,14 @@ once every request is decoding). transformers: the same prompts, padded left, gr
 ``generate`` with the same number of new tokens; its per-token latency is (time for N+1 new
 tokens - time for 1 new token) / N.
 
+Two paths of ours: the default on a CPU (the file's Q4_1 projections kept 4-bit, the Q8_0
+logits projection int8: cluster.models.cpu_quant) and ``dtype="float32"`` (everything
+dequantized; the transformers anchor is on these same float32 weights). llama.cpp
+(``llama-cpp-python``, when installed: skipped with a note otherwise) runs the same GGUF file,
+one request at a time, with as many threads as torch. Also: start-up to the first token, the
+weight bytes a decode step reads and the copy bandwidth measured here (their ratio is the
+batch-1 roofline), and how many greedy tokens each path agrees on with the others.
+
     python bench/engine.py --out bench/results/engine-cpu-<date>.json
 """
 from __future__ import annotations
@@ -78,6 +86,76 @@ def bench_hf(model, tokenizer, batch: int, new_tokens: int, repeats: int) -> dic
             "decode_step_ms": 1000 * (wall - median(firsts)) / (new_tokens - 1)}
 
 
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "user", "content": "Tell me about Paris."}]]
+
+
+def copy_bandwidth_gb_s(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Read + write bandwidth of a large tensor copy on this machine (median), GB/s counted as
+    the bytes read (what a decode step's weight reads compare with)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / median(times[1:]) / 1e9
+
+
+def weight_bytes_per_token(llm: LLM) -> int:
+    """Bytes of weights a batch-1 decode step reads (projections and the logits projection; the
+    embedding row and the norms are negligible)."""
+    model = llm.engine.model
+    total = 0
+    for module in model.modules():
+        quantized = getattr(module, "quantized", None)
+        if quantized is not None:
+            total += quantized.nbytes
+        elif type(module).__name__ == "Linear":
+            total += module.weight.numel() * module.weight.element_size()
+    if getattr(model, "quantized_logits", None) is not None:
+        total += model.quantized_logits.nbytes
+    elif model.lm_head is None:
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def greedy_ids(llm: LLM, prompt_ids: list[int], n: int) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return list(llm.generate([prompt_ids], params)[0].outputs[0].token_ids)
+
+
+def llama_cpp_anchor(new_tokens: int, repeats: int, prompt_ids: list[int]) -> dict[str, object]:
+    try:
+        from llama_cpp import Llama
+    except ImportError as exc:
+        return {"skipped": f"llama-cpp-python is not installed ({exc})"}
+    llama = Llama(model_path=resolve_model_path("smollm2"), n_threads=torch.get_num_threads(), n_ctx=2048,
+                  verbose=False, seed=0)
+
+    def run(ids: list[int], n: int) -> tuple[list[int], float]:
+        llama.reset()
+        out: list[int] = []
+        start = time.perf_counter()
+        for token in llama.generate(ids, temp=0.0, top_k=1, reset=True):
+            out.append(int(token))
+            if len(out) == n:
+                break
+        return out, time.perf_counter() - start
+
+    run(prompt_ids, 4)
+    walls = [run(prompt_ids, new_tokens)[1] for _ in range(repeats)]
+    import llama_cpp
+    return {"version": llama_cpp.__version__, "threads": torch.get_num_threads(),
+            "batch1_tok_s": new_tokens / median(walls), "wall_s": median(walls),
+            "greedy": lambda ids, n: run(ids, n)[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8,32")
@@ -87,10 +165,48 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM("smollm2", max_num_seqs=max(batches), max_num_batched_tokens=4096)
-    results: dict[str, object] = {"benchmark": "engine-offline", "model": "SmolLM2-135M-Instruct (GGUF Q4_1, "
-                                  "dequantized to float32)", "new_tokens": args.new_tokens,
-                                  "repeats": args.repeats, "environment": environment(), "rows": []}
+    settings = {"max_num_seqs": max(batches), "max_num_batched_tokens": 4096}
+    start = time.perf_counter()
+    llm = LLM("smollm2", **settings)
+    greedy_ids(llm, llm.get_tokenizer().encode(PROMPT), 1)
+    startup_q = time.perf_counter() - start
+    start = time.perf_counter()
+    exact = LLM("smollm2", dtype="float32", **settings)
+    greedy_ids(exact, exact.get_tokenizer().encode(PROMPT), 1)
+    startup_f32 = time.perf_counter() - start
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer.encode(f"0. {PROMPT}")
+    bandwidth = copy_bandwidth_gb_s()
+    bytes_q, bytes_f32 = weight_bytes_per_token(llm), weight_bytes_per_token(exact)
+    results: dict[str, object] = {
+        "benchmark": "engine-offline", "model": "SmolLM2-135M-Instruct (GGUF: Q4_1 projections, Q8_0 embedding)",
+        "paths": {"ours": "default on a CPU: Q4_1 projections kept 4-bit (torch _weight_int4pack_mm_for_cpu), "
+                          "tied Q8_0 logits int8 per row (_weight_int8pack_mm), float32 elsewhere",
+                  "ours_float32": "dtype=float32: every weight dequantized (transformers' weights)"},
+        "kernels": [r for r in llm.engine.model.kernel_choices() if r["component"] in ("linear", "logits")],
+        "new_tokens": args.new_tokens, "repeats": args.repeats, "environment": environment(),
+        "startup_to_first_token_s": {"ours": startup_q, "ours_float32": startup_f32},
+        "copy_bandwidth_gb_s": bandwidth,
+        "weight_bytes_per_token": {"ours": bytes_q, "ours_float32": bytes_f32},
+        "batch1_roofline_tok_s": {"ours": bandwidth * 1e9 / bytes_q, "ours_float32": bandwidth * 1e9 / bytes_f32},
+        "rows": []}
+    anchor = llama_cpp_anchor(args.new_tokens, args.repeats, prompt_ids)
+    greedy_cpp = anchor.pop("greedy", None)
+    results["llama_cpp"] = anchor
+    agreement = []
+    for name, ids in [("chat: " + c[0]["content"], tokenizer.encode_chat(c)) for c in CHATS] + [("prompt", prompt_ids)]:
+        q, f = greedy_ids(llm, ids, 64), greedy_ids(exact, ids, 64)
+        eos = set(tokenizer.eos_token_ids)
+        entry: dict[str, object] = {"input": name, "tokens": 64,
+                                    "float32_eos_at": next((i for i, t in enumerate(f) if t in eos), None),
+                                    "ours_vs_float32_first_difference": first_difference(q, f)}
+        if callable(greedy_cpp):
+            c = greedy_cpp(ids, 64)
+            entry["llama_cpp_vs_ours_first_difference"] = first_difference(c, q)
+            entry["llama_cpp_vs_float32_first_difference"] = first_difference(c, f)
+        agreement.append(entry)
+        print(json.dumps(entry))
+    results["greedy_agreement"] = agreement
     hf = tok = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -99,22 +215,29 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     rows = []
     for batch in batches:
-        row: dict[str, object] = {"batch": batch, "ours": bench_ours(llm, batch, args.new_tokens, args.repeats)}
+        row: dict[str, object] = {"batch": batch, "ours": bench_ours(llm, batch, args.new_tokens, args.repeats),
+                                  "ours_float32": bench_ours(exact, batch, args.new_tokens, args.repeats)}
         if hf is not None:
             row["transformers"] = bench_hf(hf, tok, batch, args.new_tokens, args.repeats)
-            row["throughput_ratio"] = row["ours"]["throughput_tok_s"] / row["transformers"]["throughput_tok_s"]  # type: ignore[index]
+            row["throughput_ratio"] = row["ours_float32"]["throughput_tok_s"] / row["transformers"]["throughput_tok_s"]  # type: ignore[index]
+        if "batch1_tok_s" in anchor:
+            # llama.cpp serves one request at a time: its throughput for any batch is its batch-1 rate
+            row["vs_llama_cpp_sequential"] = row["ours"]["throughput_tok_s"] / anchor["batch1_tok_s"]  # type: ignore[index, operator]
         rows.append(row)
         print(json.dumps(row))
     results["rows"] = rows
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
-    print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'ours ms/step':>13} {'hf ms/step':>11}")
+    print(f"llama.cpp batch 1: {anchor.get('batch1_tok_s', float('nan')):.1f} tok/s; roofline (batch 1): "
+          f"{results['batch1_roofline_tok_s']}")  # type: ignore[index]
+    print(f"{'batch':>5} {'ours tok/s':>11} {'f32 tok/s':>10} {'hf tok/s':>9} {'f32/hf':>7} {'vs llama.cpp':>13} "
+          f"{'ours ms/step':>13}")
     for row in rows:
-        ours, theirs = row["ours"], row.get("transformers", {})
-        print(f"{row['batch']:>5} {ours['throughput_tok_s']:>11.1f} {theirs.get('throughput_tok_s', float('nan')):>9.1f} "
-              f"{row.get('throughput_ratio', float('nan')):>6.2f} {ours['decode_step_ms']:>13.1f} "
-              f"{theirs.get('decode_step_ms', float('nan')):>11.1f}")
+        ours, f32, theirs = row["ours"], row["ours_float32"], row.get("transformers", {})
+        print(f"{row['batch']:>5} {ours['throughput_tok_s']:>11.1f} {f32['throughput_tok_s']:>10.1f} "
+              f"{theirs.get('throughput_tok_s', float('nan')):>9.1f} {row.get('throughput_ratio', float('nan')):>7.2f} "
+              f"{row.get('vs_llama_cpp_sequential', float('nan')):>13.2f} {ours['decode_step_ms']:>13.1f}")
 
 
 if __name__ == "__main__":
