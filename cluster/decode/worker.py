@@ -53,9 +53,14 @@ class DecodeWorker:
         self.max_model_len = engine.scheduler_config.max_model_len
         #: Remote prefills that failed (then prefilled here, or failed the request).
         self.remote_prefill_failures = 0
-        #: Requests waiting for KV blocks to reserve take them first come, first served.
-        self._reserve_turn = asyncio.Lock()
-        self._reserve_waiting = 0
+        #: Requests waiting for KV blocks to reserve, first come first served: the head tries
+        #: again every RESERVE_POLL_S; the others wait for their event (set at their turn).
+        self._reserve_queue: list[asyncio.Event] = []
+
+    @property
+    def reserve_waiting(self) -> int:
+        """Requests waiting for KV blocks to reserve."""
+        return len(self._reserve_queue)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StepOutput]:
         rid = req.request_id
@@ -86,8 +91,8 @@ class DecodeWorker:
         """Reserve KV blocks for sample 0's prompt and return its block tables. With no room now
         (the blocks are in use, or held for an abandoned transfer's grace period) the request
         waits its turn, as a local one waits in the scheduler's queue: until blocks come back,
-        its deadline passes (RequestTimeoutError) or the client goes. OverloadedError only when
-        ``max_waiting`` requests already wait."""
+        its deadline passes (RequestTimeoutError, whether or not it is at the head of the queue)
+        or the client goes. OverloadedError only when ``max_waiting`` requests already wait."""
         first = group.samples[0].request_id
 
         def attempt(e: LLMEngine) -> list[list[int]] | None:
@@ -95,26 +100,39 @@ class DecodeWorker:
             # request (its deadline) and take its blocks away.
             return [list(t) for t in e.kv.block_tables(first)] if e.reserve_remote(group) else None
 
-        if not self._reserve_turn.locked():  # nobody waits ahead of this request
+        if not self._reserve_queue:  # nobody waits ahead of this request
             tables = await self.engine.run(attempt)
             if tables is not None:
                 return tables
-        if self._reserve_waiting >= self.config.scheduler.max_waiting:
+        if len(self._reserve_queue) >= self.config.scheduler.max_waiting:
             raise OverloadedError(f"decode worker has no free KV blocks or sequence slots and "
-                                  f"{self._reserve_waiting} requests wait for them")
+                                  f"{len(self._reserve_queue)} requests wait for them")
         deadline = group.samples[0].deadline
-        self._reserve_waiting += 1
+        turn = asyncio.Event()  # set while this request is at the head of the queue
+        if not self._reserve_queue:
+            turn.set()
+        self._reserve_queue.append(turn)
         try:
-            async with self._reserve_turn:
-                while True:
+            while True:
+                if turn.is_set():
                     tables = await self.engine.run(attempt)
                     if tables is not None:
                         return tables
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise RequestTimeoutError("deadline exceeded waiting for KV blocks on the decode worker")
-                    await asyncio.sleep(RESERVE_POLL_S)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise RequestTimeoutError("deadline exceeded waiting for KV blocks on the decode worker")
+                if turn.is_set():
+                    await asyncio.sleep(RESERVE_POLL_S if remaining is None else min(RESERVE_POLL_S, remaining))
+                else:
+                    try:
+                        await asyncio.wait_for(turn.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        pass
         finally:
-            self._reserve_waiting -= 1
+            head = self._reserve_queue[0] is turn
+            self._reserve_queue.remove(turn)
+            if head and self._reserve_queue:
+                self._reserve_queue[0].set()
 
     async def _remote_prefill(self, prefill: PrefillRequest, rid: str, timings: dict[str, float]) -> None:
         """Sample ``rid``'s prompt computed by a prefill worker into the reserved blocks."""
@@ -177,7 +195,7 @@ class DecodeWorker:
 
     async def stats(self, replica_id: str) -> ReplicaStats:
         metrics, preemptions = await self.engine.run(lambda e: (e.metrics(), e.scheduler.num_preemptions))
-        metrics["num_requests_waiting"] += self._reserve_waiting  # those waiting for blocks to reserve
+        metrics["num_requests_waiting"] += self.reserve_waiting  # those waiting for blocks to reserve
         return replica_stats("decode", replica_id, metrics, self.backend.stats,
                              {"remote_prefill_failures_total": float(self.remote_prefill_failures),
                               "num_preemptions_total": float(preemptions)})

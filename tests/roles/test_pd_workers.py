@@ -217,15 +217,15 @@ def test_requests_wait_their_turn_for_decode_kv_held_by_reservations(model_dir):
     """Every decode block is reserved for remote prefills (then held for the grace period after
     they fail) when more requests come: they wait, first come first served, as local requests
     wait in the scheduler's queue, and are answered as colocated; one whose deadline passes
-    while it waits gets RequestTimeoutError; one past ``max_waiting`` waiting requests gets
-    OverloadedError. Before, each got OverloadedError at once: through the Ray app, a 503 for
-    a request that came just after the prefill replica died."""
+    while it waits (behind another) gets RequestTimeoutError; one past ``max_waiting`` waiting
+    requests gets OverloadedError. Before, each got OverloadedError at once: through the Ray
+    app, a 503 for a request that came just after the prefill replica died."""
     from cluster.common.errors import OverloadedError, RequestTimeoutError
 
     async def dying_prefill(request):
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(3.0)
         raise ConnectionError("prefill replica died")
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, deadline_s=30)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, deadline_s=60)
     prompts = mixed_prompts(300, (40,) * 4, seed=6)
     expected = [o.outputs[0].token_ids for o in LLM(model_dir, block_size=4).generate(prompts, params)]
     config = parse_cluster_args({"model": model_dir, "kv_transfer": "local", "block_size": 4,
@@ -233,28 +233,35 @@ def test_requests_wait_their_turn_for_decode_kv_held_by_reservations(model_dir):
                                  "max_waiting": 2, "remote_kv_grace_s": 0.2}, use_env=False)
     decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=dying_prefill)
 
+    async def until(condition, what, timeout=20.0):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.01)
+
     async def go():
         first = [asyncio.ensure_future(collect(decode, GenerateRequest(f"a{i}", prompts[i], params)))
                  for i in range(2)]
-        while decode.engine.engine.kv.usage < 1.0:  # both reservations hold the whole pool
-            await asyncio.sleep(0.01)
-        hurried = asyncio.ensure_future(collect(decode, GenerateRequest(
-            "hurried", prompts[2], params.replace(deadline_s=0.3))))
+        await until(lambda: decode.engine.engine.kv.usage == 1.0, "both reservations hold the whole pool")
         patient = asyncio.ensure_future(collect(decode, GenerateRequest("patient", prompts[3], params)))
-        await asyncio.sleep(0.05)
-        assert decode._reserve_waiting == 2
+        await until(lambda: decode.reserve_waiting == 1, "the first late request waits")
+        hurried = asyncio.ensure_future(collect(decode, GenerateRequest(
+            "hurried", prompts[2], params.replace(deadline_s=1.0))))
+        await until(lambda: decode.reserve_waiting == 2 or hurried.done(), "the second late request waits")
+        assert decode.reserve_waiting == 2
         # 2 receiving their KV + 2 waiting for blocks: routers and the planner see them all
         assert (await decode.stats("d")).num_requests_waiting == 4
         with pytest.raises(OverloadedError):
             await collect(decode, GenerateRequest("one-too-many", prompts[3], params))
-        with pytest.raises(RequestTimeoutError):
+        with pytest.raises(RequestTimeoutError):  # behind "patient", before any block came back
             await hurried
+        assert not patient.done() and decode.reserve_waiting == 1
         return await asyncio.gather(*first), await patient
 
     try:
-        got, patient = asyncio.run(asyncio.wait_for(go(), 20))
+        got, patient = asyncio.run(asyncio.wait_for(go(), 60))
         assert got == expected[:2] and patient == expected[3]
-        assert decode.remote_prefill_failures == 3 and decode._reserve_waiting == 0
+        assert decode.remote_prefill_failures == 3 and decode.reserve_waiting == 0
         engine = decode.engine.engine
         deadline = time.monotonic() + 5
         while engine.kv.usage > 0 and time.monotonic() < deadline:
