@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, median  # noqa: E402
 from cluster import LLM, SamplingParams  # noqa: E402
+from cluster.models.layers import Linear  # noqa: E402
 from cluster.models.registry import resolve_model_path  # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to paint. Describe the colors it sees."
@@ -112,7 +113,7 @@ def weight_bytes_per_token(llm: LLM) -> int:
         quantized = getattr(module, "quantized", None)
         if quantized is not None:
             total += quantized.nbytes
-        elif type(module).__name__ == "Linear":
+        elif isinstance(module, Linear):
             total += module.weight.numel() * module.weight.element_size()
     if getattr(model, "quantized_logits", None) is not None:
         total += model.quantized_logits.nbytes

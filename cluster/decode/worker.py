@@ -100,10 +100,6 @@ class DecodeWorker:
             # request (its deadline) and take its blocks away.
             return [list(t) for t in e.kv.block_tables(first)] if e.reserve_remote(group) else None
 
-        if not self._reserve_queue:  # nobody waits ahead of this request
-            tables = await self.engine.run(attempt)
-            if tables is not None:
-                return tables
         if len(self._reserve_queue) >= self.config.scheduler.max_waiting:
             raise OverloadedError(f"decode worker has no free KV blocks or sequence slots and "
                                   f"{len(self._reserve_queue)} requests wait for them")

@@ -58,9 +58,10 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
         for target, blocks in parts:
             rows = slice(target.offset, target.offset + (target.size if target.size is not None else n))
             codes[rows], scale[rows], minimum[rows] = blocks.codes, blocks.scale, blocks.minimum
-        module.quantize(pack_q4(codes, scale, minimum))
+        weight = pack_q4(codes, scale, minimum)
+        module.quantize(weight)
         packed += 1
-        q4_bytes += module.quantized.nbytes if module.quantized is not None else 0
+        q4_bytes += weight.nbytes
     rows = [{"component": "linear", "op": "linear", "format": "gguf_q4_1", "impl": "torch_int4pack_cpu",
              "device": "cpu", "role": "main",
              "reason": f"{packed} projections keep the file's 4-bit codes ({q4_bytes / 2**20:.0f} MiB; scales and "

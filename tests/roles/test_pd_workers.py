@@ -32,6 +32,26 @@ def make_pair(model_dir: str, **settings):
     return prefill, decode
 
 
+def decode_with_dying_prefill(model_dir: str, dies_after_s: float, **settings) -> DecodeWorker:
+    """A decode worker whose every remote prefill fails after ``dies_after_s`` (the prefill
+    replica died), with blocks of 4 tokens."""
+    async def dying_prefill(request):
+        await asyncio.sleep(dies_after_s)
+        raise ConnectionError("prefill replica died")
+    config = parse_cluster_args({"model": model_dir, "kv_transfer": "local", "block_size": 4,
+                                 "max_num_batched_tokens": 64, **settings}, use_env=False)
+    return DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=dying_prefill)
+
+
+def wait_blocks_back(decode: DecodeWorker, timeout: float = 5.0) -> None:
+    """Until every block is free again (quarantined reservations come back after their grace)."""
+    engine = decode.engine.engine
+    deadline = time.monotonic() + timeout
+    while engine.kv.usage > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.kv.usage == 0.0
+
+
 async def collect(decode: DecodeWorker, req: GenerateRequest) -> list[int]:
     tokens: list[int] = []
     async for out in decode.generate(req):
@@ -190,25 +210,16 @@ def test_prefill_death_with_decode_kv_reserved_loses_nothing(model_dir, fill):
     every request is prefilled on decode instead and answered as colocated. With the pool full,
     the quarantined reservations left no block, and the scheduler failed the requests without
     telling the engine: no byte reached the clients until their deadline."""
-    async def dead_prefill(request):
-        await asyncio.sleep(0.2)
-        raise ConnectionError("prefill replica died")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, deadline_s=30)
     prompts = mixed_prompts(300, (40,) * 16, seed=5)
     expected = [o.outputs[0].token_ids for o in LLM(model_dir, block_size=4).generate(prompts, params)]
     per_request = 10  # 40 tokens in blocks of 4
     blocks = 16 * per_request + 1 if fill == "full" else 32 * per_request
-    config = parse_cluster_args({"model": model_dir, "kv_transfer": "local", "block_size": 4,
-                                 "max_num_batched_tokens": 64, "num_kv_blocks": blocks}, use_env=False)
-    decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=dead_prefill)
+    decode = decode_with_dying_prefill(model_dir, 0.2, num_kv_blocks=blocks)
     try:
         got = asyncio.run(asyncio.wait_for(run_all(decode, prompts, params, concurrency=16), 25))
         assert got == expected and decode.remote_prefill_failures == 16
-        engine = decode.engine.engine
-        deadline = time.monotonic() + 5
-        while engine.kv.usage > 0 and time.monotonic() < deadline:  # quarantined blocks come back
-            time.sleep(0.1)
-        assert engine.kv.usage == 0.0
+        wait_blocks_back(decode)
     finally:
         decode.shutdown()
 
@@ -222,16 +233,11 @@ def test_requests_wait_their_turn_for_decode_kv_held_by_reservations(model_dir):
     app, a 503 for a request that came just after the prefill replica died."""
     from cluster.common.errors import OverloadedError, RequestTimeoutError
 
-    async def dying_prefill(request):
-        await asyncio.sleep(3.0)
-        raise ConnectionError("prefill replica died")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, deadline_s=60)
     prompts = mixed_prompts(300, (40,) * 4, seed=6)
     expected = [o.outputs[0].token_ids for o in LLM(model_dir, block_size=4).generate(prompts, params)]
-    config = parse_cluster_args({"model": model_dir, "kv_transfer": "local", "block_size": 4,
-                                 "max_num_batched_tokens": 64, "num_kv_blocks": 2 * 10 + 1,
-                                 "max_waiting": 2, "remote_kv_grace_s": 0.2}, use_env=False)
-    decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=dying_prefill)
+    decode = decode_with_dying_prefill(model_dir, 3.0, num_kv_blocks=2 * 10 + 1, max_waiting=2,
+                                       remote_kv_grace_s=0.2)
 
     async def until(condition, what, timeout=20.0):
         deadline = time.monotonic() + timeout
@@ -262,10 +268,7 @@ def test_requests_wait_their_turn_for_decode_kv_held_by_reservations(model_dir):
         got, patient = asyncio.run(asyncio.wait_for(go(), 60))
         assert got == expected[:2] and patient == expected[3]
         assert decode.remote_prefill_failures == 3 and decode.reserve_waiting == 0
-        engine = decode.engine.engine
-        deadline = time.monotonic() + 5
-        while engine.kv.usage > 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert engine.kv.usage == 0.0 and not engine.groups
+        wait_blocks_back(decode)
+        assert not decode.engine.engine.groups
     finally:
         decode.shutdown()
