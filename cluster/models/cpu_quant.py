@@ -4,7 +4,7 @@ A GGUF file's Q4_1 projections are repacked once, after loading, for the CPU int
 (``kernels.cpu_quant``): their 4-bit codes are kept exactly, the scales and zeros in bfloat16.
 The logits projection of a tied, already quantized embedding (SmolLM2's Q8_0) becomes int8 with
 one scale per row. Everything else (embedding lookup, norms, attention, residuals) stays float32.
-A decode step then reads about 94 MB of weights for SmolLM2-135M instead of 540.
+A decode step then reads about 95 MB of weights for SmolLM2-135M instead of 538.
 
 Selected by ``dtype=None`` (the default) on a CPU; ``dtype="float32"`` keeps the exact float32
 path (the one compared with transformers). GPUs never take it."""
@@ -18,7 +18,7 @@ from torch import nn
 
 from cluster.models.layers import Linear
 from cluster.models.loader import ParamTarget
-from kernels.cpu_quant import can_pack_q4, int4_cpu_available, pack_q4, pack_q8_rows
+from kernels.cpu_quant import GROUP_SIZE, can_pack_q4, int4_cpu_available, pack_q4, pack_q8_rows
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ _QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_
 
 def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
     """Repack ``net``'s projections from ``checkpoint`` (a GGUFCheckpoint); returns the kernel
-    table rows to report (empty when nothing could be repacked)."""
+    table rows to report (one saying so when torch lacks the kernels and nothing was repacked)."""
     if not int4_cpu_available():
         logger.warning("this torch build has no CPU int4/int8 weight-only kernels: GGUF weights run "
                        "dequantized to float32 (about 6x more memory traffic per decode step)")
@@ -53,8 +53,8 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
             kept += 1
             continue
         codes = torch.empty(n, k, dtype=torch.uint8)
-        scale = torch.empty(n, k // 32)
-        minimum = torch.empty(n, k // 32)
+        scale = torch.empty(n, k // GROUP_SIZE)  # Q4_1's groups are the kernel's
+        minimum = torch.empty(n, k // GROUP_SIZE)
         for target, blocks in parts:
             rows = slice(target.offset, target.offset + (target.size if target.size is not None else n))
             codes[rows], scale[rows], minimum[rows] = blocks.codes, blocks.scale, blocks.minimum
