@@ -59,7 +59,7 @@ class LocalEngineClient:
             raise RuntimeError(f"engine loop stopped: {self.engine.dead}")
 
     async def replica_stats(self) -> list[ReplicaStats]:
-        m, preemptions = await self.engine.run(lambda e: (e.metrics(), e.scheduler.num_preemptions))
+        m, counters = await self.engine.run(lambda e: (e.metrics(), e.counters()))
         return [ReplicaStats(role="colocated", replica_id="local",
                              num_requests_running=int(m["num_requests_running"]),
                              num_requests_waiting=int(m["num_requests_waiting"]),
@@ -67,7 +67,7 @@ class LocalEngineClient:
                              num_free_blocks=int(m["num_free_blocks"]),
                              prefix_cache_hit_rate=m["prefix_cache_hit_rate"],
                              cuda_graphs_captured=m["cuda_graphs_captured"],
-                             extra={"num_preemptions_total": float(preemptions)})]
+                             extra=counters)]
 
     async def backends(self) -> list[dict[str, Any]]:
         return [dict(b, role="colocated", replica="local") for b in self.engine.engine.backends()]

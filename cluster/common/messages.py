@@ -31,7 +31,8 @@ class GenerateRequest:
 
 @dataclass
 class PrefillRequest:
-    """Decode -> prefill: compute this sample's prompt and write its KV into my reserved blocks."""
+    """Decode -> prefill: compute this request's prompt, write its KV into my reserved blocks, and
+    draw the first token of each of its ``n`` samples."""
 
     request: GenerateRequest
     #: The decode worker's TransferEndpoint (a kv_transfer type; opaque here).
@@ -54,6 +55,9 @@ class PrefillResult:
     timings: dict[str, float] = field(default_factory=dict)
     #: The prefill worker's node (the decode worker's ``wait_received`` needs the path it used).
     sender_node: str = ""
+    #: The first tokens (and logprobs) of the request's samples 1..n-1, drawn from the same
+    #: prompt logits as ``first_token``, each with its own seed: the decode worker forks them.
+    others: list[tuple[int, PositionLogprobs | None]] = field(default_factory=list)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """DecodeWorker: the decode role without Ray. For each request it reserves KV blocks for the
 prompt, asks a prefill worker (through ``prefill_fn``) to compute into them, and once the KV has
 landed it decodes the rest in its batch, streaming StepOutputs. A request's ``n`` samples make one
-prefill call: samples 1..n-1 wait for sample 0's KV, then take its full blocks from the prefix
-cache and compute only the last partial block's tokens here.
+prefill call, which draws every sample's first token from the prompt's logits: samples 1..n-1 then
+fork sample 0's KV here (full blocks shared, the last partial block copied), computing nothing.
 
 A sample's states here: WAITING (for blocks to reserve: first come, first served, as a local
 request waits in the scheduler's queue; bounded by ``max_waiting`` and the deadline) -> RESERVED
@@ -76,8 +76,7 @@ class DecodeWorker:
                 await self.engine.run(lambda e: e.add_group(group))
             else:
                 tables = await self._reserve(group)
-                one = dataclasses.replace(req, sampling_params=req.sampling_params.replace(n=1))
-                prefill = PrefillRequest(one, self.backend.endpoint(), tables, f"{self.engine_id}/{first}")
+                prefill = PrefillRequest(req, self.backend.endpoint(), tables, f"{self.engine_id}/{first}")
                 prefill_task = asyncio.create_task(self._remote_prefill(prefill, first, timings))
             async for out in self._read(StepDeltas(rid, req.sample_index), group, queue, timings):
                 yield out
@@ -142,7 +141,8 @@ class DecodeWorker:
             timings.update(result.timings)
             timings["transfer_wait"] = time.monotonic() - returned
             timings["kv_ready"] = time.monotonic() - start
-            await self.engine.run(lambda e: e.finish_remote_prefill(rid, result.first_token, result.logprobs))
+            await self.engine.run(lambda e: e.finish_remote_prefill(rid, result.first_token, result.logprobs,
+                                                                    result.others))
             timings["num_cached_tokens"] = float(result.num_cached_tokens)
         except asyncio.CancelledError:
             self.backend.forget(prefill.transfer_key)
@@ -190,11 +190,10 @@ class DecodeWorker:
         return result
 
     async def stats(self, replica_id: str) -> ReplicaStats:
-        metrics, preemptions = await self.engine.run(lambda e: (e.metrics(), e.scheduler.num_preemptions))
+        metrics, counters = await self.engine.run(lambda e: (e.metrics(), e.counters()))
         metrics["num_requests_waiting"] += self.reserve_waiting  # those waiting for blocks to reserve
         return replica_stats("decode", replica_id, metrics, self.backend.stats,
-                             {"remote_prefill_failures_total": float(self.remote_prefill_failures),
-                              "num_preemptions_total": float(preemptions)})
+                             {"remote_prefill_failures_total": float(self.remote_prefill_failures), **counters})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -43,9 +43,6 @@ class BlockPool:
     def ref_count(self, block: int) -> int:
         return self._ref_cnt.get(block, 0)
 
-    def hash_of(self, block: int) -> int | None:
-        return self._block_hash.get(block)
-
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks with {self.num_free} free")

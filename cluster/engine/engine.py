@@ -112,6 +112,11 @@ class LLMEngine:
         #: (request id, tokens computed before, tokens computed) of every request in the last step.
         self.last_step: list[tuple[str, int, int]] = []
         self._in_flight: InFlightStep | None = None
+        #: Held samples' first tokens (and logprobs), drawn from sample 0's prompt logits here or
+        #: by the prefill worker, until they fork (``_settle_held``).
+        self._first_tokens: dict[str, tuple[int, PositionLogprobs | None]] = {}
+        #: Samples that took another sample's prompt KV instead of computing it (metrics, tests).
+        self.num_forked_samples = 0
         self._pipelined = (self.scheduler_config.async_scheduling and self.runner.graphs is not None
                            and self.scheduler_config.role != "prefill")
         #: Steps launched pipelined / run synchronously (metrics, tests).
@@ -230,13 +235,12 @@ class LLMEngine:
         return group
 
     def add_group(self, group: RequestGroup) -> None:
-        """Queue a request's samples. With prefix caching, samples 1..n-1 wait for sample 0 to
-        compute the prompt (``RequestGroup.held``), then share its full blocks: one prefill for n
-        samples, and only the last partial block's tokens computed again per sample."""
-        hold = self.cache_config.enable_prefix_caching
-        for s in group.samples[:1] if hold else group.samples:
-            self.scheduler.add_request(s)
-        self._register(group, hold)
+        """Queue a request. Its samples 1..n-1 wait for sample 0 to compute the prompt
+        (``RequestGroup.held``); the step that samples sample 0's first token draws theirs from the
+        same logits (each with its own seed), and they fork its KV: full blocks shared, the last
+        partial block copied. One prefill for n samples, nothing computed again."""
+        self.scheduler.add_request(group.samples[0])
+        self._register(group, hold=True)
 
     def _register(self, group: RequestGroup, hold: bool) -> None:
         for s in group.samples:
@@ -245,22 +249,51 @@ class LLMEngine:
         self.groups[group.request_id] = group
 
     def _settle_held(self, group: RequestGroup) -> None:
-        """Sample 0 changed: once it has its first token (the prompt is in the cache) the held
-        samples join the scheduler; if it ended without one, they end as it did."""
+        """Sample 0 changed: once it has its first token (the prompt is computed) the held samples
+        fork its KV with the first tokens drawn for them (``_first_tokens``); if it ended without
+        one, they end as it did. A sample that cannot fork now (no sequence slot or block free, or
+        no token drawn for it) joins the queue and computes what the prefix cache lacks."""
         first = group.samples[0]
         if first.num_output_tokens == 0 and not first.status.finished:
             return
         held, group.held = group.held, []
         for s in held:
+            drawn = self._first_tokens.pop(s.request_id, None)
             if s.status.finished:
                 continue
             if first.num_output_tokens == 0:
                 self.scheduler.finish(s, first.status, error=first.error)
                 continue
+            if drawn is not None and self._fork(first, s, *drawn):
+                continue
             try:
                 self.scheduler.add_request(s)
             except ClusterError as exc:  # the waiting queue is full: this sample fails, visibly
                 self.scheduler.finish(s, RequestStatus.FINISHED_ERROR, error=exc.message)
+
+    def _fork(self, first: Request, sample: Request, token: int, logprobs: PositionLogprobs | None) -> bool:
+        """``sample`` takes ``first``'s prompt KV and its own first token. A prefill role forks no
+        blocks: the sample ends at its first token, and the decode worker forks there."""
+        if self.scheduler_config.role != "prefill":
+            copies = self.scheduler.fork(first, sample)
+            if copies is None:
+                return False
+            self.runner.copy_blocks(copies)
+            self.num_forked_samples += 1
+        self._take_token(sample, token, logprobs)
+        return True
+
+    def _forks(self, sched: SchedulerOutput) -> dict[str, list[Request]]:
+        """Held samples whose first token this step draws: those of each sample 0 that samples
+        its first token now."""
+        forks: dict[str, list[Request]] = {}
+        for s in sched.scheduled:
+            r = s.request
+            if r.num_output_tokens == 0 and s.samples:
+                group = self._sample_group.get(r.request_id)
+                if group is not None and group.held and r is group.samples[0]:
+                    forks[r.request_id] = [c for c in group.held if not c.status.finished]
+        return forks
 
     def abort_request(self, request_id: str, *, error: str | None = None,
                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -312,12 +345,17 @@ class LLMEngine:
             self._mark_changed(request)
         if not sched.is_empty:
             self.num_sync_steps += 1
+            forks = self._forks(sched)
             try:
-                result = self.runner.execute(sched, tables)
+                result = self.runner.execute(sched, tables, forks)
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the loop
                 logger.exception("model step failed")
                 self._fail(sched.scheduled, exc)
             else:
+                for children in forks.values():
+                    for c in children:
+                        self._first_tokens[c.request_id] = (result.sampled[c.request_id],
+                                                            result.logprobs.get(c.request_id))
                 self._process(sched.scheduled, result)
         return self._collect()
 
@@ -344,6 +382,10 @@ class LLMEngine:
         for r in sch.running:
             if r.num_tokens + r.num_pending - r.num_computed_tokens != 1:
                 return False
+            if r.num_output_tokens + r.num_pending == 0:  # a first token: its held samples fork
+                group = self._sample_group.get(r.request_id)
+                if group is not None and group.held:
+                    return False
             p = r.sampling_params
             if p.logprobs is not None or p.has_penalties:
                 return False
@@ -432,6 +474,8 @@ class LLMEngine:
         status = self.output_processor.on_token(request, group.texts[group.samples.index(request)])
         if status is None and self.scheduler_config.role == "prefill":
             status = RequestStatus.FINISHED_LENGTH  # the decode worker generates the rest
+        if group.held and request is group.samples[0]:
+            self._settle_held(group)  # its other samples fork the prompt's KV before it can be freed
         if status is not None:
             self.scheduler.finish(request, status)
         self._mark_changed(request)
@@ -449,13 +493,18 @@ class LLMEngine:
         self._register(group, hold=True)
         return True
 
-    def finish_remote_prefill(self, request_id: str, first_token: int,
-                              logprobs: PositionLogprobs | None) -> bool:
-        """The prompt's KV is in the reserved blocks and the prefill worker sampled ``first_token``:
-        the request joins the running batch. False if the request is gone (aborted, expired)."""
+    def finish_remote_prefill(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None,
+                              others: Sequence[tuple[int, PositionLogprobs | None]] = ()) -> bool:
+        """The prompt's KV is in the reserved blocks and the prefill worker sampled ``first_token``
+        (and ``others``: the first tokens of samples 1..n-1, drawn from the same logits): the
+        request joins the running batch and its other samples fork its KV. False if the request
+        is gone (aborted, expired)."""
         request = self.scheduler.remote_kv_arrived(request_id)
         if request is None:
             return False
+        group = self._sample_group[request_id]
+        for sample, drawn in zip(group.samples[1:], others):
+            self._first_tokens[sample.request_id] = drawn
         self._take_token(request, first_token, logprobs)
         group = self._changed.pop(self._sample_group[request_id].request_id, None)
         if group is not None:  # deliver the first token now, not after the next step
@@ -524,3 +573,8 @@ class LLMEngine:
             "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,
             "cuda_graphs_captured": float(self.runner.graph_status.captured),
         }
+
+    def counters(self) -> dict[str, float]:
+        """Totals since start-up (Prometheus counters: each key ends in ``_total``)."""
+        return {"num_preemptions_total": float(self.scheduler.num_preemptions),
+                "forked_samples_total": float(self.num_forked_samples)}

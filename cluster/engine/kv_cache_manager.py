@@ -148,6 +148,38 @@ class KVCacheManager:
         self._num_cached_blocks[request_id] = [0] * len(tables)
         return True
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[list[tuple[int, int]]] | None:
+        """Give ``child_id`` the KV of ``parent_id``'s first ``num_tokens`` tokens (a request's n
+        samples after the prompt): per group, the full blocks are shared (one more reference) and
+        the last partial block, which both will go on writing, is copied into a new block of the
+        child's. Returns per group the (source, destination) blocks the caller must copy on the
+        device, or None (nothing changed) when a group has no free block for its copy."""
+        assert child_id not in self.tables
+        parent = self.tables[parent_id]
+        plans = []
+        for g, spec in enumerate(self.specs):
+            entries = spec.num_entries(num_tokens)
+            full = min(entries // spec.block_size, len(parent[g]))
+            partial = full < len(parent[g]) and entries % spec.block_size != 0
+            plans.append((full, partial))
+        if any(partial and self.pools[g].num_free < 1 for g, (_, partial) in enumerate(plans)):
+            return None
+        tables, copies = [], []
+        for g, (full, partial) in enumerate(plans):
+            shared = parent[g][:full]
+            self.pools[g].touch([b for b in shared if b != NULL_BLOCK])
+            table = list(shared)
+            pairs = []
+            if partial:
+                block = self.pools[g].allocate(1)[0]
+                pairs.append((parent[g][full], block))
+                table.append(block)
+            tables.append(table)
+            copies.append(pairs)
+        self.tables[child_id] = tables
+        self._num_cached_blocks[child_id] = [plan[0] for plan in plans]
+        return copies
+
     def free_skipped(self, request_id: str, num_computed_tokens: int) -> None:
         """Release blocks no future token will read (behind a sliding window, old state checkpoints)."""
         tables = self.tables.get(request_id)

@@ -95,13 +95,22 @@ class ModelRunner:
         return self.model(input_ids, ctx), batch.sample_rows
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
+                forks: dict[str, list[Request]] | None = None) -> RunnerOutput:
+        """Run the step and sample. ``forks``: requests that take a first token from another's
+        row too (a request's other samples, drawn from its prompt's logits, each with its own
+        seed and sample index)."""
         hidden, sample_rows = self.forward(sched, block_tables)
         out = RunnerOutput()
         if not sample_rows:
             return out
+        if forks:
+            sample_rows = [(row, r) for row, s in sample_rows
+                           for r in (s.request, *forks.get(s.request.request_id, ()))]
+        else:
+            sample_rows = [(row, s.request) for row, s in sample_rows]
         logits = self.model.compute_logits(self._sampled_hidden(hidden, sample_rows))  # [N, V]
-        requests = [s.request for _, s in sample_rows]
+        requests = [r for _, r in sample_rows]
         tokens, logprobs = self.sampler(logits, [self._sampling_row(r) for r in requests])
         for r, token, lp in zip(requests, tokens, logprobs):
             out.sampled[r.request_id] = token
@@ -136,7 +145,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # decode-only: row i is sequence i
         return self.sampler.sample_tokens(logits, [self._sampling_row(s.request) for s in sched.scheduled])
 
-    def _sampled_hidden(self, hidden: torch.Tensor, sample_rows: list[tuple[int, ScheduledRequest]]) -> torch.Tensor:
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:
+        """Copy whole KV blocks (every layer of the group), per group (source, destination) pairs."""
+        for cache, pairs in zip(self.kv_caches, copies):
+            if pairs:
+                src = to_device([a for a, _ in pairs], torch.long, self.device)
+                dst = to_device([b for _, b in pairs], torch.long, self.device)
+                raw = cache.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[cache.element_size()])
+                raw.index_copy_(0, dst, raw.index_select(0, src))  # as integers: fp8 has no index_copy
+
+    def _sampled_hidden(self, hidden: torch.Tensor, sample_rows: list[tuple[int, Request]]) -> torch.Tensor:
         rows = [row for row, _ in sample_rows]
         if rows == list(range(hidden.shape[0])):  # decode-only: every row, in order
             return hidden

@@ -31,8 +31,8 @@ class RequestGroup:
     prompt_token_ids: list[int]
     samples: list[Request]
     texts: list[SampleText] = field(default_factory=list)
-    #: Samples 1..n-1 while sample 0 computes the prompt: they join the scheduler once it has
-    #: (and find the prompt's full blocks in the prefix cache), so the prompt is computed once.
+    #: Samples 1..n-1 while sample 0 computes the prompt: the step that draws its first token
+    #: draws theirs too, and they fork its KV (LLMEngine._settle_held), so the prompt is computed once.
     held: list[Request] = field(default_factory=list)
 
     @property

@@ -121,6 +121,25 @@ class Scheduler:
         self.running.append(request)
         return request
 
+    def fork(self, parent: Request, child: Request) -> list[list[tuple[int, int]]] | None:
+        """Another sample of ``parent``'s request joins the batch with the KV of its computed
+        prompt (see ``KVCacheManager.fork``; the caller copies the returned blocks). None, with
+        nothing changed, when no sequence slot or block is free: the sample then waits and
+        computes what the prefix cache does not give it."""
+        if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
+            return None
+        copies = self.kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
+        if copies is None:
+            return None
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        child.first_scheduled_time = parent.first_scheduled_time or time.monotonic()
+        child.update_block_hashes(self.block_size)
+        self.requests[child.request_id] = child
+        self.running.append(child)
+        return copies
+
     # --- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

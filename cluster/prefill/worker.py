@@ -54,12 +54,13 @@ class PrefillWorker:
     # --- the request --------------------------------------------------------------------------
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        """Prefill once whatever ``n`` is: sample 0 computes the prompt (its KV goes to the decode
+        worker) and the step that samples its first token draws the other samples' too."""
         sample = req.request
-        rid = req.transfer_key
-        params = sample.sampling_params.replace(n=1)
-        group = await self.engine.run(
-            lambda e: e.make_group(rid, sample.prompt_token_ids, params, sample_index=sample.sample_index))
+        group = await self.engine.run(lambda e: e.make_group(
+            req.transfer_key, sample.prompt_token_ids, sample.sampling_params, sample_index=sample.sample_index))
         request = group.samples[0]
+        rid = request.request_id  # the transfer key, "#0" appended when n > 1
         request.hold_blocks_on_finish = True
         job = PrefillJob(req, written_upto=req.skip_tokens)
         with self._jobs_lock:
@@ -82,10 +83,16 @@ class PrefillWorker:
                 - (request.first_scheduled_time or request.arrival_time),
                 "transfer": job.transfer_s,
             }
+            others = []
+            for other in final.outputs[1:]:
+                if not other.token_ids:
+                    raise ClusterError(f"prefill drew no first token for sample {other.index}: "
+                                       f"{final.error or other.finish_reason}")
+                others.append((other.token_ids[0], other.logprobs[0] if other.logprobs else None))
             first_logprobs = completion.logprobs[0] if completion.logprobs else None
             self.prefills_completed += 1
             return PrefillResult(completion.token_ids[0], first_logprobs, final.num_cached_tokens,
-                                 job.bytes_sent, timings, sender_node=self.backend.node_id)
+                                 job.bytes_sent, timings, sender_node=self.backend.node_id, others=others)
         finally:
             job.cancelled = True  # the engine thread stops writing for it from now on
             with self._jobs_lock:
@@ -109,13 +116,13 @@ class PrefillWorker:
             try:
                 copies = plan_block_copies(engine.kv_specs, engine.kv.block_tables(rid),
                                            job.prefill.dest_block_tables, job.written_upto, end)
-                job.bytes_sent += self.backend.send(job.prefill.dest, rid, copies, last)
+                job.bytes_sent += self.backend.send(job.prefill.dest, job.prefill.transfer_key, copies, last)
             except Exception as exc:  # noqa: BLE001 - one request's bad write fails it, not the engine loop
                 error = exc if isinstance(exc, KVTransferError) else KVTransferError(
                     f"KV write for {rid} failed: {exc!r}")
                 logger.warning("KV write for %s failed: %s", rid, error)
                 job.error = error
-                engine.abort_request(rid, error=str(error))
+                engine.abort_request(job.prefill.transfer_key, error=str(error))
                 continue
             job.transfer_s += time.perf_counter() - start
             job.written_upto = end
@@ -123,10 +130,9 @@ class PrefillWorker:
     # --- introspection ------------------------------------------------------------------------------
 
     async def stats(self, replica_id: str) -> ReplicaStats:
-        metrics, preemptions = await self.engine.run(lambda e: (e.metrics(), e.scheduler.num_preemptions))
+        metrics, counters = await self.engine.run(lambda e: (e.metrics(), e.counters()))
         return replica_stats("prefill", replica_id, metrics, self.backend.stats,
-                             {"prefill_requests_total": float(self.prefills_completed),
-                              "num_preemptions_total": float(preemptions)})
+                             {"prefill_requests_total": float(self.prefills_completed), **counters})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -1,8 +1,8 @@
 """``n > 1`` and prompt lists through the real Ray Serve application (disaggregated: one prefill and
 one decode replica), with the official openai client: completions and chats, streamed and not,
 each answered within seconds and equal to offline ``LLM.generate`` for greedy and seeded
-sampling; one routed call and one prefill per prompt whatever ``n`` is (its samples share the
-prompt's KV on the decode replica). Before each routed call got its own internal request id,
+sampling; one routed call and one prefill per prompt whatever ``n`` is (the prefill draws every
+sample's first token; the other samples fork sample 0's KV on the decode replica). Before each routed call got its own internal request id,
 the second of two calls made under one request was never routed
 (``tests/router/test_serve_routing.py``): ``n=2`` took 31 s or failed."""
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_chat_with_n_samples_equals_offline(served, model_dir, offline, stream):
 
 def test_one_prefill_per_prompt_whatever_n(served, model_dir, offline):
     """A list of 3 prompts with n=4: the prefill replica computes 3 prompts (not 12), and the
-    decode replica finds each prompt's full blocks cached for samples 1..3."""
+    decode replica forks samples 1..3 of each from sample 0's KV (9 forks)."""
     run, _ = offline
     model = model_name(model_dir)
     prompts = mixed_prompts(300, (40, 70, 100), seed=32)  # 2, 4 and 6 full blocks of 16 tokens
@@ -149,11 +149,15 @@ def test_one_prefill_per_prompt_whatever_n(served, model_dir, offline):
     assert before, "the prefill replica reports no prefill_requests_total"
     time.sleep(1.2)  # the reports of the earlier tests' requests are in
     before_total = prefills()
+    forks_before = sum(served.metric("cluster:forked_samples_total", role="decode"))
     assert asyncio.run(_completions(served, model, prompts, 4, False, **SEEDED)) == run(prompts, 4, **SEEDED)
     after = served.wait_for_metric("cluster:prefill_requests_total",
                                    lambda v: sum(v) >= before_total + 3, role="prefill")
+    forks = served.wait_for_metric("cluster:forked_samples_total",
+                                   lambda v: sum(v) >= forks_before + 9, role="decode")
     time.sleep(1.2)
     assert sum(after) == before_total + 3 == prefills()
+    assert sum(forks) == forks_before + 9 == sum(served.metric("cluster:forked_samples_total", role="decode"))
 
 
 def test_many_multi_sample_requests_at_once(served, model_dir, offline):

@@ -65,27 +65,6 @@ def test_n_samples_and_seeds(llm):
     assert [c.token_ids for c in crowd.outputs] == [c.token_ids for c in first.outputs]
 
 
-def test_n_samples_compute_the_prompt_once_and_equal_separate_prefills(model_dir):
-    """n samples of a 150-token prompt: sample 0 computes the prompt, the others join once it
-    has and take its full blocks from the prefix cache (only the last partial block's tokens
-    again), and every sample's tokens equal those of an engine that prefills each sample whole."""
-    prompt = mixed_prompts(256, (150,), seed=3)[0]
-    seeded = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
-    greedy = SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True)
-    shared = LLM(model_dir, block_size=16, max_model_len=512)
-    alone = LLM(model_dir, block_size=16, max_model_len=512, enable_prefix_caching=False)
-    for params in (seeded, greedy):
-        shared.engine.kv.reset_prefix_cache()
-        before = shared.engine.scheduler.prefix_hit_tokens
-        got = shared.generate([prompt], params)[0]
-        want = alone.generate([prompt], params)[0]
-        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
-        # samples 1..n-1 found the 144 tokens of the prompt's 9 full blocks cached
-        assert shared.engine.scheduler.prefix_hit_tokens - before == (params.n - 1) * 144
-    assert len({tuple(c.token_ids) for c in shared.generate([prompt], seeded)[0].outputs}) > 1
-    assert shared.engine.kv.usage == 0.0 and not shared.engine.groups
-
-
 def test_held_samples_end_with_their_request(model_dir):
     """An abort (or deadline) while sample 0 still computes the prompt ends the held samples too."""
     llm = LLM(model_dir, block_size=16, max_model_len=512)

@@ -95,6 +95,59 @@ def test_disaggregated_equals_colocated(model_dir, sampling):
         decode.shutdown()
 
 
+async def collect_samples(decode: DecodeWorker, req: GenerateRequest) -> list[list[int]]:
+    """Each sample's tokens, in sample order."""
+    tokens: dict[int, list[int]] = {}
+    async for out in decode.generate(req):
+        if out.error:
+            raise RuntimeError(out.error)
+        tokens.setdefault(out.sample_index, []).extend(out.new_token_ids)
+    return [tokens[i] for i in sorted(tokens)]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_n_samples_make_one_prefill_and_fork_on_decode(model_dir, sampling):
+    """n samples of each prompt: the prefill worker computes each prompt once and draws every
+    sample's first token; the decode worker forks sample 0's KV for the others and computes no
+    prompt token itself; every sample equals colocated ``LLM.generate``."""
+    n = 3
+    params = (SamplingParams(n=n, temperature=0.0, max_tokens=6, ignore_eos=True) if sampling == "greedy"
+              else SamplingParams(n=n, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True))
+    prompts = mixed_prompts(300, (6, 13, 22, 37), seed=12)
+    expected = [[c.token_ids for c in o.outputs] for o in LLM(model_dir, block_size=4).generate(prompts, params)]
+    prefill, decode = make_pair(model_dir)
+    try:
+        async def go():
+            return await asyncio.gather(*(collect_samples(decode, GenerateRequest(f"n{i}", p, params))
+                                          for i, p in enumerate(prompts)))
+        assert asyncio.run(go()) == expected
+        assert prefill.prefills_completed == len(prompts)
+        engine = decode.engine.engine
+        assert engine.num_forked_samples == len(prompts) * (n - 1)
+        assert engine.scheduler.prefix_queried_tokens == 0  # nothing was prefilled on decode
+        assert decode.remote_prefill_failures == 0
+        wait_blocks_back(decode)
+        assert prefill.engine.engine.kv.usage == 0.0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_n_samples_fork_after_a_local_fallback_prefill(model_dir):
+    """The remote prefill fails: decode prefills sample 0 itself and the others fork it."""
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    prompt = mixed_prompts(300, (21,), seed=13)[0]
+    expected = [c.token_ids for c in LLM(model_dir, block_size=4).generate([prompt], params)[0].outputs]
+    prefill, decode = make_pair(model_dir)
+    try:
+        prefill.backend.inject_failures = 1
+        assert asyncio.run(collect_samples(decode, GenerateRequest("fb", prompt, params))) == expected
+        assert decode.remote_prefill_failures == 1 and decode.engine.engine.num_forked_samples == 2
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_transfer_failure_falls_back_to_local_prefill(model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = mixed_prompts(300, (21,), seed=9)[0]
