@@ -179,3 +179,42 @@ def test_kv_cache_manager_fork_shares_full_blocks_and_copies_partial_ones():
     assert tight.allocate("p", 14)  # takes all 4 blocks
     assert tight.fork("p", "c", 14) is None and "c" not in tight.tables
     assert [tight.pools[0].ref_count(b) for b in tight.block_tables("p")[0]] == [1, 1, 1, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "deepseek_v4"])
+def test_samples_fork_on_the_gpu_in_graphs(tmp_path, family):
+    """On a GPU, decode in captured graphs and pipelined: the forked blocks are bit-equal copies
+    right after the prompt step, and every sample (float32) equals itself computed alone."""
+    path = str(tmp_path / family)
+    if family == "llama":
+        make_checkpoint(path, "llama", max_position_embeddings=1024)
+        settings: dict = dict(attention_backend="triton")
+    else:
+        make_v4_checkpoint(path, "csa_hca")
+        settings = {}
+    llm = LLM(path, block_size=16, dtype="float32", max_num_seqs=8, max_model_len=512, **settings)
+    engine = llm.engine
+    assert engine.runner.graphs is not None
+    prompt = mixed_prompts(300, (45,), seed=9)[0]  # 2 full blocks of 16 and 13 tokens
+    group = engine.make_group("gpu-fork", prompt, SEEDED)
+    engine.add_group(group)
+    engine.step()
+    assert all(s.num_output_tokens == 1 for s in group.samples)
+    for g, cache in enumerate(engine.runner.kv_caches):
+        parent = engine.kv.block_tables(group.samples[0].request_id)[g]
+        for child in group.samples[1:]:
+            table = engine.kv.block_tables(child.request_id)[g]
+            for a, b in zip(parent, table):
+                if a != b:
+                    assert torch.equal(cache[a], cache[b]), (g, a, b)
+    while engine.has_work():
+        engine.step()
+    assert [list(s.output_token_ids) for s in group.samples] == alone(llm, prompt, SEEDED)
+    for params in (SEEDED, GREEDY):
+        engine.kv.reset_prefix_cache()
+        got, computed = run(llm, prompt, params)
+        assert got == alone(llm, prompt, params)
+        assert computed == 45 + params.n * (params.max_tokens - 1)
+    assert engine.num_pipelined_steps > 0 and engine.kv.usage == 0.0
