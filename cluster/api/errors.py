@@ -8,20 +8,8 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from cluster.common import errors as common_errors
-from cluster.common.errors import (
-    ClusterError,
-    InvalidRequestError,
-    RequestAbortedError,
-    RequestTimeoutError,
-)
+from cluster.common.errors import ClusterError, ErrorKind, InvalidRequestError, error_for
 from cluster.common.messages import StepOutput
-
-#: Error class name (StepOutput.error_type) -> class.
-_ERROR_CLASSES: dict[str, type[ClusterError]] = {
-    name: cls for name, cls in vars(common_errors).items()
-    if isinstance(cls, type) and issubclass(cls, ClusterError)
-}
 
 
 class RequestTooLargeError(InvalidRequestError):
@@ -37,20 +25,13 @@ def error_response(exc: ClusterError) -> JSONResponse:
 
 
 def output_error(out: StepOutput) -> ClusterError | None:
-    """The error a finished sample output stands for: finish_reason "error" (typed by
-    ``error_type``) or "abort" (a deadline, or an abort by the engine)."""
+    """The error a finished sample output stands for: finish_reason "error" or "abort", typed by
+    its ``error_kind`` (a deadline, a failed KV transfer, an abort by the engine...)."""
     if out.finish_reason not in ("abort", "error"):
         return None
     message = out.error or ("request aborted" if out.finish_reason == "abort" else "generation failed")
-    cls = _ERROR_CLASSES.get(out.error_type or "")
-    if cls is None:
-        if out.finish_reason == "error":
-            cls = ClusterError
-        elif "deadline" in message.lower() or "timeout" in message.lower():
-            cls = RequestTimeoutError
-        else:
-            cls = RequestAbortedError
-    return cls(message, code="deadline_exceeded" if cls is RequestTimeoutError else None)
+    kind = out.error_kind or (ErrorKind.ABORTED if out.finish_reason == "abort" else ErrorKind.INTERNAL)
+    return error_for(kind, message)
 
 
 def raise_for_output(out: StepOutput) -> None:

@@ -32,8 +32,9 @@ class ChoiceState:
 
     index: int
     prompt_index: int
-    text: str = ""
-    #: Characters of ``text`` already streamed.
+    #: The text as it arrived, a piece per output (joined once, at the end or per stream chunk).
+    parts: list[str] = field(default_factory=list)
+    #: Pieces of ``parts`` already streamed.
     sent: int = 0
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -44,11 +45,15 @@ class ChoiceState:
     #: Whether a stream chunk has been sent for this choice (chat: the first carries the role).
     started: bool = False
 
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
     def take_delta(self) -> str:
         """The text not streamed yet (the engine holds back what a stop string might remove, so
-        ``text`` only grows)."""
-        delta = self.text[self.sent:]
-        self.sent = max(self.sent, len(self.text))
+        the text only grows)."""
+        delta = "".join(self.parts[self.sent:])
+        self.sent = len(self.parts)
         return delta
 
 

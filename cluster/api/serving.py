@@ -247,8 +247,9 @@ def _apply(choice: ChoiceState, out: StepOutput, *, keep_logprobs: bool) -> bool
     """Account for one output of ``choice``'s sample; raises the ClusterError an error output
     stands for. Returns whether the text grew."""
     api_errors.raise_for_output(out)
-    grew = len(out.text) > len(choice.text)
-    choice.text = out.text
+    grew = bool(out.new_text)
+    if grew:
+        choice.parts.append(out.new_text)
     choice.num_tokens += len(out.new_token_ids)
     choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
     if keep_logprobs:

@@ -1,6 +1,24 @@
 """Typed errors. Every failure a user can cause or meet has a class here, so that the offline API
-raises something precise and the HTTP edge can map it to an OpenAI error body and status code."""
+raises something precise and the HTTP edge can map it to an OpenAI error body and status code.
+A request that ends in error or abort inside an engine carries an ``ErrorKind`` across the hops
+(engine output, decode stream, HTTP edge), never a class name or a message to match:
+``error_for(kind, message)`` is the exception it stands for."""
 from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(str, enum.Enum):
+    """Why a request ended without its output (``RequestOutput.error_kind``, ``StepOutput.error_kind``)."""
+
+    INTERNAL = "internal"
+    DEADLINE = "deadline"
+    ABORTED = "aborted"
+    KV_TRANSFER = "kv_transfer"
+    OVERLOADED = "overloaded"
+    INVALID_REQUEST = "invalid_request"
+    REPLICA_DIED = "replica_died"
+    ENGINE_DEAD = "engine_dead"
 
 
 class ClusterError(Exception):
@@ -103,3 +121,27 @@ class EngineDeadError(ClusterError):
 
     status_code = 503
     error_type = "engine_dead_error"
+
+
+#: The exception each kind stands for at the edge.
+_KIND_CLASSES: dict[ErrorKind, type[ClusterError]] = {
+    ErrorKind.INTERNAL: ClusterError, ErrorKind.DEADLINE: RequestTimeoutError,
+    ErrorKind.ABORTED: RequestAbortedError, ErrorKind.KV_TRANSFER: KVTransferError,
+    ErrorKind.OVERLOADED: OverloadedError, ErrorKind.INVALID_REQUEST: InvalidRequestError,
+    ErrorKind.REPLICA_DIED: ReplicaDiedError, ErrorKind.ENGINE_DEAD: EngineDeadError,
+}
+
+
+def error_for(kind: ErrorKind, message: str) -> ClusterError:
+    """The exception a request that ended with ``kind`` stands for."""
+    cls = _KIND_CLASSES[kind]
+    return cls(message, code="deadline_exceeded" if kind is ErrorKind.DEADLINE else None)
+
+
+def kind_of(exc: BaseException) -> ErrorKind:
+    """The kind of an exception (INTERNAL for anything not ours)."""
+    for cls in type(exc).__mro__:
+        for kind, known in _KIND_CLASSES.items():
+            if cls is known:
+                return kind
+    return ErrorKind.INTERNAL

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.common.errors import ErrorKind
 from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.common.sampling_params import SamplingParams
 
@@ -63,19 +64,19 @@ class PrefillResult:
 @dataclass
 class StepOutput:
     """What a decode worker streams back for one sample after each step: the new tokens (and
-    their logprobs), the cumulative text and the finish state. A request's samples share one
-    stream; ``sample_index`` says whose output this is."""
+    their logprobs), the new text and the finish state; its size does not grow with the output.
+    A request's samples share one stream; ``sample_index`` says whose output this is."""
 
     request_id: str
     new_token_ids: list[int]
-    text: str
+    new_text: str
     new_logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     error: str | None = None
-    #: Error class name for finish_reason "error" (maps to an HTTP status at the edge).
-    error_type: str | None = None
+    #: Why a sample ended in "error" or "abort" (the HTTP edge answers with its exception).
+    error_kind: ErrorKind | None = None
     #: Per-request timing breakdown (seconds), set on the first output: prefill_queue,
     #: prefill_compute, transfer, first_decode, ttft.
     timings: dict[str, float] = field(default_factory=dict)
@@ -87,13 +88,13 @@ class StepOutput:
 
 
 class StepDeltas:
-    """Turns one request's cumulative RequestOutputs (every sample's tokens so far) into
-    StepOutputs: per sample, what is new since the last call, until it finishes."""
+    """Turns one request's engine deltas (RequestOutputs holding what each step added) into
+    StepOutputs, one per sample with something new, numbered from ``first_sample``; counts the
+    samples that finished."""
 
     def __init__(self, request_id: str, first_sample: int = 0) -> None:
         self.request_id = request_id
         self.first_sample = first_sample
-        self._sent: dict[int, int] = {}
         self._done: set[int] = set()
 
     @property
@@ -106,20 +107,15 @@ class StepDeltas:
             i = completion.index
             if i in self._done:
                 continue
-            sent = self._sent.get(i, 0)
-            new_ids = completion.token_ids[sent:]
-            if not new_ids and not completion.finished:
-                continue
             failed = completion.finish_reason in ("error", "abort")
-            error = out.error if failed else None
             steps.append(StepOutput(
-                request_id=self.request_id, new_token_ids=new_ids, text=completion.text,
-                new_logprobs=completion.logprobs[sent:] if completion.logprobs is not None else None,
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                num_cached_tokens=out.num_cached_tokens, error=error,
-                error_type="RequestTimeoutError" if failed and error == "deadline exceeded" else None,
+                request_id=self.request_id, new_token_ids=completion.token_ids, new_text=completion.text,
+                new_logprobs=completion.logprobs, finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason, num_cached_tokens=out.num_cached_tokens,
+                error=out.error if failed else None,
+                error_kind=(out.error_kind or (ErrorKind.ABORTED if completion.finish_reason == "abort"
+                                               else ErrorKind.INTERNAL)) if failed else None,
                 sample_index=self.first_sample + i))
-            self._sent[i] = len(completion.token_ids)
             if completion.finished:
                 self._done.add(i)
         return steps

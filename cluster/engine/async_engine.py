@@ -83,7 +83,7 @@ class AsyncEngine:
                 self.submit(lambda e: e.abort_request(request_id))
 
     async def generate(self, group: RequestGroup) -> AsyncIterator[RequestOutput]:
-        """Add a request and stream its outputs (cumulative RequestOutputs, the last finished)."""
+        """Add a request and stream its outputs (RequestOutput deltas, the last finished)."""
         q = self.open_stream(group.request_id)
         try:
             await self.run(lambda e: e.add_group(group))

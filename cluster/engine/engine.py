@@ -1,6 +1,6 @@
 """LLMEngine: one device's engine. ``step()`` is three calls: schedule, run the model, process
 the outputs. Requests come in through ``add_request`` (validated, tokenized, split into n samples)
-and leave as RequestOutputs; ``abort_request`` ends them in any state. No threads, no network:
+and leave as RequestOutput deltas (what each step added); ``abort_request`` ends them in any state. No threads, no network:
 the async and serving layers drive ``step()`` from outside.
 
 Pipelined decode (``async_scheduling``, CUDA graphs): while every running request decodes one
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.common.errors import ClusterError, InvalidRequestError, UnsupportedSettingError
+from cluster.common.errors import ClusterError, ErrorKind, InvalidRequestError, UnsupportedSettingError, kind_of
 from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.common.sampling_params import SamplingParams
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -262,14 +262,14 @@ class LLMEngine:
             if s.status.finished:
                 continue
             if first.num_output_tokens == 0:
-                self.scheduler.finish(s, first.status, error=first.error)
+                self.scheduler.finish(s, first.status, error=first.error, kind=first.error_kind)
                 continue
             if drawn is not None and self._fork(first, s, *drawn):
                 continue
             try:
                 self.scheduler.add_request(s)
             except ClusterError as exc:  # the waiting queue is full: this sample fails, visibly
-                self.scheduler.finish(s, RequestStatus.FINISHED_ERROR, error=exc.message)
+                self.scheduler.finish(s, RequestStatus.FINISHED_ERROR, error=exc.message, kind=kind_of(exc))
 
     def _fork(self, first: Request, sample: Request, token: int, logprobs: PositionLogprobs | None) -> bool:
         """``sample`` takes ``first``'s prompt KV and its own first token. A prefill role forks no
@@ -296,14 +296,14 @@ class LLMEngine:
         return forks
 
     def abort_request(self, request_id: str, *, error: str | None = None,
-                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+                      status: RequestStatus = RequestStatus.FINISHED_ABORTED, kind: ErrorKind | None = None) -> None:
         group = self.groups.get(request_id)
         if group is None:
             return
         for s in group.samples:
             if s.request_id in self.scheduler.receiving:
                 self._quarantine_blocks(s.request_id)
-            self.scheduler.finish(s, status, error=error)
+            self.scheduler.finish(s, status, error=error, kind=kind)
         self._finish_group_if_done(group, emit=True)
 
     def _quarantine_blocks(self, request_id: str) -> None:
@@ -444,7 +444,7 @@ class LLMEngine:
         changed, self._changed = self._changed, {}
         for group in changed.values():
             if group.request_id in self.groups:
-                outputs.append(group.output())
+                outputs.append(group.delta())
                 self._finish_group_if_done(group, emit=False)
         return outputs
 
@@ -508,7 +508,7 @@ class LLMEngine:
         self._take_token(request, first_token, logprobs)
         group = self._changed.pop(self._sample_group[request_id].request_id, None)
         if group is not None:  # deliver the first token now, not after the next step
-            self._pending.append(group.output())
+            self._pending.append(group.delta())
             self._finish_group_if_done(group, emit=False)
         return True
 
@@ -524,7 +524,7 @@ class LLMEngine:
             return
         if not fallback:
             self._quarantine_blocks(request_id)
-            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, error=reason)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, error=reason, kind=ErrorKind.KV_TRANSFER)
             self._mark_changed(request)
             self._finish_group_if_done(self._sample_group[request_id], emit=True)
             return
@@ -540,7 +540,7 @@ class LLMEngine:
         for group in list(self.groups.values()):
             deadline = group.samples[0].deadline
             if deadline is not None and now > deadline:
-                self.abort_request(group.request_id, error="deadline exceeded")
+                self.abort_request(group.request_id, error="deadline exceeded", kind=ErrorKind.DEADLINE)
 
     def _finish_group_if_done(self, group: RequestGroup, emit: bool) -> None:
         if not group.finished or group.request_id not in self.groups:
@@ -549,7 +549,7 @@ class LLMEngine:
         for s in group.samples:
             self._sample_group.pop(s.request_id, None)
         if emit:
-            self._pending.append(group.output())
+            self._pending.append(group.delta())
 
     # --- introspection -----------------------------------------------------------------------------------
 

@@ -54,12 +54,18 @@ class LLM:
         for group in groups:
             self.engine.add_group(group)
         results: list[RequestOutput | None] = [None] * len(groups)
+        done = 0
         bar = tqdm(total=len(groups), desc="Generating", disable=not use_tqdm)
         try:
-            while any(r is None for r in results):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
+            while done < len(groups):
+                for out in self.engine.step():  # deltas: accumulated here
+                    i = order.get(out.request_id)
+                    if i is None:
+                        continue
+                    total = results[i]
+                    results[i] = out if total is None else total.add(out)
+                    if out.finished:
+                        done += 1
                         bar.update(1)
         except BaseException:
             for group in groups:  # leave nothing of this call behind on an interrupt

@@ -20,6 +20,9 @@ class SampleText:
     text: str = ""
     #: Characters of ``text`` that may be shown (the rest might begin a stop string).
     visible: int = 0
+    #: Characters, tokens and logprobs already emitted in a delta.
+    sent_chars: int = 0
+    sent_tokens: int = 0
 
 
 @dataclass
@@ -39,23 +42,35 @@ class RequestGroup:
     def finished(self) -> bool:
         return all(s.status.finished for s in self.samples)
 
-    def output(self) -> RequestOutput:
+    def delta(self) -> RequestOutput:
+        """What is new since the last delta: per sample that has new tokens, new text or has just
+        finished, its new token ids, text and logprobs and its finish state (a sample reported
+        finished is not reported again). Costs what is new, not the whole output."""
         outs = []
         for i, (s, t) in enumerate(zip(self.samples, self.texts)):
-            text = t.text if s.status.finished else t.text[: t.visible]
-            outs.append(CompletionOutput(
-                index=i, text=text, token_ids=list(s.output_token_ids),
-                finish_reason=s.status.finish_reason,
-                logprobs=list(s.output_logprobs) if s.sampling_params.logprobs is not None else None,
-                stop_reason=s.stop_reason))
-        errors = [s.error for s in self.samples if s.error]
+            if t.sent_tokens < 0:  # finished and reported
+                continue
+            finished = s.status.finished
+            end = len(t.text) if finished else t.visible
+            tokens = s.output_token_ids[t.sent_tokens:]
+            if not tokens and end <= t.sent_chars and not finished:
+                continue
+            logprobs = s.output_logprobs[t.sent_tokens:] if s.sampling_params.logprobs is not None else None
+            outs.append(CompletionOutput(index=i, text=t.text[t.sent_chars:end], token_ids=tokens,
+                                         finish_reason=s.status.finish_reason, logprobs=logprobs,
+                                         stop_reason=s.stop_reason))
+            t.sent_chars, t.sent_tokens = max(t.sent_chars, end), len(s.output_token_ids)
+            if finished:
+                t.sent_tokens = -1
+        failed = [s for s in self.samples if s.error_kind is not None]
         first = self.samples[0]
         metrics = {}
         if first.first_token_time is not None:
             metrics["ttft_s"] = first.first_token_time - first.arrival_time
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              num_cached_tokens=max(0, first.num_cached_tokens), finished=self.finished,
-                             error=errors[0] if errors else None, metrics=metrics)
+                             error=failed[0].error if failed else None,
+                             error_kind=failed[0].error_kind if failed else None, metrics=metrics)
 
 
 class OutputProcessor:

@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cluster.common.errors import ErrorKind
 from cluster.common.outputs import FinishReason, PositionLogprobs
 from cluster.common.sampling_params import SamplingParams
 from cluster.common.block_hash import hash_token_blocks
@@ -59,6 +60,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     stop_reason: str | int | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
     #: Set by roles: e.g. the prefill role keeps blocks after finishing until the transfer is done.
     hold_blocks_on_finish: bool = False
     first_scheduled_time: float | None = None

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.common.errors import InvalidRequestError, OverloadedError
+from cluster.common.errors import ErrorKind, InvalidRequestError, OverloadedError
 from cluster.config import SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
@@ -219,13 +219,19 @@ class Scheduler:
         request.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens
         self.kv.cache_full_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
 
-    def finish(self, request: Request, status: RequestStatus, *, error: str | None = None) -> None:
-        """End a request in any state; frees its blocks unless the role holds them."""
+    def finish(self, request: Request, status: RequestStatus, *, error: str | None = None,
+               kind: ErrorKind | None = None) -> None:
+        """End a request in any state; frees its blocks unless the role holds them. An error or
+        abort records its ``kind`` (by default INTERNAL for an error, ABORTED for an abort)."""
         assert status.finished
         if request.status.finished:
             return
         request.status = status
         request.error = error
+        if status is RequestStatus.FINISHED_ERROR:
+            request.error_kind = kind or ErrorKind.INTERNAL
+        elif status is RequestStatus.FINISHED_ABORTED:
+            request.error_kind = kind or ErrorKind.ABORTED
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cluster.common.errors import ClusterError, KVTransferError, RequestTimeoutError
+from cluster.common.errors import ClusterError, ErrorKind, KVTransferError, RequestTimeoutError
 from cluster.common.messages import PrefillRequest, PrefillResult, ReplicaStats
 from cluster.common.reporting import replica_stats
 from cluster.config import ClusterConfig
@@ -68,13 +68,13 @@ class PrefillWorker:
         try:
             final = None
             async for out in self.engine.generate(group):
-                final = out
+                final = out if final is None else final.add(out)
             if job.error is not None:
                 raise job.error
             assert final is not None and final.finished
             completion = final.outputs[0]
             if completion.finish_reason in ("error", "abort") or not completion.token_ids:
-                if final.error == "deadline exceeded":
+                if final.error_kind is ErrorKind.DEADLINE:
                     raise RequestTimeoutError("the request's deadline passed during prefill")
                 raise ClusterError(f"prefill failed: {final.error or completion.finish_reason}")
             timings = {
@@ -122,7 +122,7 @@ class PrefillWorker:
                     f"KV write for {rid} failed: {exc!r}")
                 logger.warning("KV write for %s failed: %s", rid, error)
                 job.error = error
-                engine.abort_request(job.prefill.transfer_key, error=str(error))
+                engine.abort_request(job.prefill.transfer_key, error=str(error), kind=ErrorKind.KV_TRANSFER)
                 continue
             job.transfer_s += time.perf_counter() - start
             job.written_upto = end

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.common.errors import ErrorKind
 from cluster.common.messages import GenerateRequest, ReplicaStats, StepOutput
 from cluster.common.outputs import Logprob, PositionLogprobs
 from cluster.models.tokenizer import Tokenizer
@@ -26,10 +27,10 @@ class Script:
     #: Seconds to wait before each output.
     delay: float = 0.0
     #: Before the output carrying token number ``after`` (1-based), end the sample: with
-    #: finish_reason "abort" / "deadline exceeded", or "error" with ``error_type``, or by raising.
+    #: finish_reason "abort" (kind DEADLINE), or "error" with ``error_kind``, or by raising.
     deadline_after: int | None = None
     error_after: int | None = None
-    error_type: str | None = None
+    error_kind: ErrorKind | None = None
     raise_after: int | None = None
     #: Wait forever before this token (an engine that never answers).
     hang_after: int | None = None
@@ -122,6 +123,7 @@ class FakeEngineClient:
         params = request.sampling_params
         reply, ids = self.reply_for(request), []
         max_tokens = params.max_tokens or len(reply)
+        shown = 0  # characters of the text sent so far (each output carries only the new ones)
         while True:
             await asyncio.sleep(script.delay)
             n = len(ids) + 1
@@ -130,12 +132,12 @@ class FakeEngineClient:
             if script.raise_after == n:
                 raise RuntimeError("boom: secret internal detail")
             if script.deadline_after == n:
-                yield StepOutput(request.request_id, [], self.tokenizer.decode(ids), finish_reason="abort",
-                                 error="deadline exceeded")
+                yield StepOutput(request.request_id, [], self.tokenizer.decode(ids)[shown:], finish_reason="abort",
+                                 error="deadline exceeded", error_kind=ErrorKind.DEADLINE)
                 return
             if script.error_after == n:
-                yield StepOutput(request.request_id, [], self.tokenizer.decode(ids), finish_reason="error",
-                                 error="KV transfer failed: peer gone", error_type=script.error_type)
+                yield StepOutput(request.request_id, [], self.tokenizer.decode(ids)[shown:], finish_reason="error",
+                                 error="KV transfer failed: peer gone", error_kind=script.error_kind)
                 return
             new = reply[len(ids):len(ids) + min(script.tokens_per_step, max_tokens - len(ids))]
             ids += new
@@ -146,7 +148,8 @@ class FakeEngineClient:
             out.finish_reason, out.stop_reason = self._finish(out, ids, max_tokens, script, params.stop)
             hold = max((len(s) for s in params.stop), default=1) - 1
             if not out.finished and hold:  # as the engine does: never show the start of a stop string
-                out.text = out.text[:-hold]
+                out.new_text = out.new_text[:-hold]
+            out.new_text, shown = out.new_text[shown:], max(shown, len(out.new_text))
             yield out
             if out.finished:
                 return
@@ -154,10 +157,10 @@ class FakeEngineClient:
     @staticmethod
     def _finish(out: StepOutput, ids: list[int], max_tokens: int, script: Script,
                 stop: tuple[str, ...]) -> tuple[str | None, str | None]:
-        for s in stop:
-            at = out.text.find(s)
+        for s in stop:  # out.new_text holds the whole text here
+            at = out.new_text.find(s)
             if at >= 0:
-                out.text = out.text[:at]
+                out.new_text = out.new_text[:at]
                 return "stop", s
         if script.eos_after is not None and len(ids) >= script.eos_after:
             return "stop", None

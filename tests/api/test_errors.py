@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from cluster.api import sample_streams
-from cluster.common.errors import EngineDeadError, InvalidRequestError, OverloadedError, RateLimitedError
+from cluster.common.errors import EngineDeadError, ErrorKind, InvalidRequestError, OverloadedError, RateLimitedError
 from tests.api.conftest import MAX_BODY_BYTES, MODEL_ALIAS, SERVED_NAME
 from tests.api.fakes import Script
 
@@ -226,10 +226,10 @@ def test_internal_errors_are_500_without_details(fake, http):
 
 
 def test_typed_error_outputs_map_to_their_class(fake, http):
-    fake.script = lambda request: Script(error_after=1, error_type="KVTransferError")
+    fake.script = lambda request: Script(error_after=1, error_kind=ErrorKind.KV_TRANSFER)
     error = assert_error(http.post("/v1/completions", json=completion()), 500, "kv_transfer_error")
     assert "KV transfer failed" in error["message"]
-    fake.script = lambda request: Script(error_after=2, error_type="EngineDeadError")
+    fake.script = lambda request: Script(error_after=2, error_kind=ErrorKind.ENGINE_DEAD)
     status, events = sse_events(http, "/v1/completions", completion())
     assert status == 200 and json.loads(events[-2])["error"]["type"] == "engine_dead_error"
 

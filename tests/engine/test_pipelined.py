@@ -85,9 +85,8 @@ def test_abort_while_a_step_is_in_flight(model_dir):
     finished = {}
     steps = 0
     while engine.has_work():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+        for out in engine.step():  # deltas: accumulate each request's
+            finished[out.request_id] = finished[out.request_id].add(out) if out.request_id in finished else out
         steps += 1
         if steps == 6:
             assert engine._in_flight is not None
@@ -126,9 +125,10 @@ def test_async_engine_streams_and_cancels_with_a_step_in_flight(model_dir):
     async def stream(i: int, stop_after: int | None):
         group = piped.engine.make_group(f"s{i}", prompts[i], params)
         seen = []
-        async for out in loop_engine.generate(group):
-            seen.append(len(out.outputs[0].token_ids))
-            last = out
+        last = None
+        async for out in loop_engine.generate(group):  # deltas: each step's new tokens
+            last = out if last is None else last.add(out)
+            seen.append(len(last.outputs[0].token_ids))
             if stop_after is not None and len(seen) == stop_after:
                 break  # the client goes away: the request is aborted
         return last, seen
@@ -143,7 +143,7 @@ def test_async_engine_streams_and_cancels_with_a_step_in_flight(model_dir):
                 assert not last.finished and len(seen) == 3
                 continue
             assert summary([last]) == [want[i]]
-            assert seen == sorted(seen) and seen[-1] == 18  # tokens only ever accumulate
+            assert seen == sorted(seen) and seen[-1] == 18  # every delta carries its new tokens
         for _ in range(200):  # the abort and the last in-flight step are processed by the loop
             if piped.engine.kv.usage == 0.0 and piped.engine._in_flight is None:
                 break

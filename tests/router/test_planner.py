@@ -302,8 +302,8 @@ class FakeWorker:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         first = StepOutput(request.request_id, [1], "a", timings={"prefill_queue": 0.2})
         yield first
-        yield StepOutput(request.request_id, [2], "ab")
-        yield StepOutput(request.request_id, [3], "abc", finish_reason="stop")
+        yield StepOutput(request.request_id, [2], "b")
+        yield StepOutput(request.request_id, [3], "c", finish_reason="stop")
 
 
 def test_decode_replicas_report_what_the_planner_reads():
