@@ -52,7 +52,7 @@ def start(kind: str, model: str, port: int, backend: str) -> subprocess.Popen[st
     env.pop("RAY_ADDRESS", None)
     settings = [f"model={model}", f"port={port}"]
     if kind == "local":
-        cmd = [sys.executable, "-m", "cluster.api.local_server", *settings, "--port", str(port)]
+        cmd = [sys.executable, "-m", "cluster.local_server", *settings, "--port", str(port)]
     else:
         extra = ["prefill_replicas=0"] if kind == "colocated" else [f"kv_transfer={backend}"]
         cmd = ["serve", "run", "cluster.app", *settings, *extra]

@@ -44,7 +44,7 @@ class DecodeServer:
         self.state = state
         self.ttft, self.itl, self.prefill_queue = LatencyWindow(), LatencyWindow(), LatencyWindow()
         self._reporter = asyncio.get_running_loop().create_task(
-            report_forever(state, self.stats, self.worker.engine.engine.backends))
+            report_forever(state, self.stats, self.worker.engine.backends))
 
     async def _call_prefill(self, request: PrefillRequest) -> PrefillResult:
         assert self.prefill is not None
@@ -76,8 +76,7 @@ class DecodeServer:
         return now
 
     async def info(self) -> dict[str, Any]:
-        engine = self.worker.engine.engine
-        return {"max_model_len": self.worker.max_model_len, "vocab_size": engine.vocab_size}
+        return {"max_model_len": self.worker.max_model_len, "vocab_size": self.worker.engine.info.vocab_size}
 
     async def stats(self) -> ReplicaStats:
         s = await self.worker.stats(self.replica_id)

@@ -26,9 +26,9 @@ from cluster.common.messages import (GenerateRequest, PrefillRequest, PrefillRes
 from cluster.common.outputs import RequestOutput
 from cluster.common.reporting import queue_time, replica_stats
 from cluster.config import ClusterConfig
-from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
 from cluster.engine.output_processor import RequestGroup
+from cluster.engine.port import EnginePort
 from cluster.kv_transfer import KVStorage, KVTransferBackend
 
 logger = logging.getLogger(__name__)
@@ -49,8 +49,8 @@ class DecodeWorker:
         scheduler = dataclasses.replace(config.scheduler, role="decode")
         engine = LLMEngine(config.model, config.cache, scheduler, kv_allocator=storage.allocate)
         self.backend: KVTransferBackend = storage.build(engine.runner.kv_caches, engine.kv_specs)
-        self.engine = AsyncEngine(engine)
-        self.max_model_len = engine.scheduler_config.max_model_len
+        self.engine = EnginePort(engine)
+        self.max_model_len = self.engine.info.max_model_len
         #: Remote prefills that failed (then prefilled here, or failed the request).
         self.remote_prefill_failures = 0
         #: Requests waiting for KV blocks to reserve, first come first served: the head tries
@@ -64,16 +64,15 @@ class DecodeWorker:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StepOutput]:
         rid = req.request_id
-        group = await self.engine.run(lambda e: e.make_group(
-            rid, req.prompt_token_ids, req.sampling_params, arrival_time=_monotonic(req.arrival_time),
-            sample_index=req.sample_index))
+        group = await self.engine.make_group(rid, req.prompt_token_ids, req.sampling_params,
+                                             arrival_time=_monotonic(req.arrival_time), sample_index=req.sample_index)
         first = group.samples[0].request_id
         queue = self.engine.open_stream(rid)
         timings: dict[str, float] = {}
         prefill_task: asyncio.Task[None] | None = None
         try:
             if req.local_prefill or self.prefill_fn is None:
-                await self.engine.run(lambda e: e.add_group(group))
+                await self.engine.add(group)
             else:
                 tables = await self._reserve(group)
                 prefill = PrefillRequest(req, self.backend.endpoint(), tables, f"{self.engine_id}/{first}")
@@ -84,7 +83,7 @@ class DecodeWorker:
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
             self.engine.close_stream(rid)
-            self.engine.submit(lambda e: e.abort_request(rid))  # no-op once finished
+            self.engine.abort(rid)  # no-op once finished
 
     async def _reserve(self, group: RequestGroup) -> list[list[int]]:
         """Reserve KV blocks for sample 0's prompt and return its block tables. With no room now
@@ -92,13 +91,6 @@ class DecodeWorker:
         waits its turn, as a local one waits in the scheduler's queue: until blocks come back,
         its deadline passes (RequestTimeoutError, whether or not it is at the head of the queue)
         or the client goes. OverloadedError only when ``max_waiting`` requests already wait."""
-        first = group.samples[0].request_id
-
-        def attempt(e: LLMEngine) -> list[list[int]] | None:
-            # One engine command: a step between reserving and reading the tables could end the
-            # request (its deadline) and take its blocks away.
-            return [list(t) for t in e.kv.block_tables(first)] if e.reserve_remote(group) else None
-
         if len(self._reserve_queue) >= self.config.scheduler.max_waiting:
             raise OverloadedError(f"decode worker has no free KV blocks or sequence slots and "
                                   f"{len(self._reserve_queue)} requests wait for them")
@@ -110,7 +102,7 @@ class DecodeWorker:
         try:
             while True:
                 if turn.is_set():
-                    tables = await self.engine.run(attempt)
+                    tables = await self.engine.reserve_remote(group)
                     if tables is not None:
                         return tables
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -141,8 +133,7 @@ class DecodeWorker:
             timings.update(result.timings)
             timings["transfer_wait"] = time.monotonic() - returned
             timings["kv_ready"] = time.monotonic() - start
-            await self.engine.run(lambda e: e.finish_remote_prefill(rid, result.first_token, result.logprobs,
-                                                                    result.others))
+            await self.engine.finish_remote(rid, result.first_token, result.logprobs, result.others)
             timings["num_cached_tokens"] = float(result.num_cached_tokens)
         except asyncio.CancelledError:
             self.backend.forget(prefill.transfer_key)
@@ -153,7 +144,7 @@ class DecodeWorker:
             fallback = self.config.transfer.fallback_to_local_prefill
             logger.warning("remote prefill of %s failed (%s); %s", rid, exc,
                            "prefilling locally" if fallback else "failing the request")
-            await self.engine.run(lambda e: e.fail_remote_prefill(rid, f"remote prefill failed: {exc}", fallback))
+            await self.engine.fail_remote(rid, f"remote prefill failed: {exc}", fallback)
 
     async def _read(self, deltas: StepDeltas, group: RequestGroup, queue: asyncio.Queue[Any],
                     timings: dict[str, float]) -> AsyncIterator[StepOutput]:
@@ -190,10 +181,10 @@ class DecodeWorker:
         return result
 
     async def stats(self, replica_id: str) -> ReplicaStats:
-        metrics, counters = await self.engine.run(lambda e: (e.metrics(), e.counters()))
-        metrics["num_requests_waiting"] += self.reserve_waiting  # those waiting for blocks to reserve
-        return replica_stats("decode", replica_id, metrics, self.backend.stats,
-                             {"remote_prefill_failures_total": float(self.remote_prefill_failures), **counters})
+        stats = await self.engine.stats()
+        stats.gauges["num_requests_waiting"] += self.reserve_waiting  # those waiting for blocks to reserve
+        return replica_stats("decode", replica_id, stats.gauges, self.backend.stats,
+                             {"remote_prefill_failures_total": float(self.remote_prefill_failures), **stats.counters})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -26,7 +26,7 @@ class PrefillServer:
         self.worker = PrefillWorker(config, engine_id=f"prefill-{self.replica_id}", node_id=node_id)
         self.state = state
         self._reporter = asyncio.get_running_loop().create_task(
-            report_forever(state, self.stats, self.worker.engine.engine.backends))
+            report_forever(state, self.stats, self.worker.engine.backends))
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         return await self.worker.prefill(request)

@@ -18,8 +18,8 @@ from cluster.common.errors import ClusterError, ErrorKind, KVTransferError, Requ
 from cluster.common.messages import PrefillRequest, PrefillResult, ReplicaStats
 from cluster.common.reporting import replica_stats
 from cluster.config import ClusterConfig
-from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
+from cluster.engine.port import EnginePort, StepReport
 from cluster.kv_transfer import KVStorage, KVTransferBackend
 from cluster.kv_transfer.plan import plan_block_copies
 
@@ -49,7 +49,7 @@ class PrefillWorker:
         #: Prompts prefilled and handed over (one per request, whatever its ``n``).
         self.prefills_completed = 0
         self._jobs_lock = threading.Lock()
-        self.engine = AsyncEngine(engine, post_step=self._write_step)
+        self.engine = EnginePort(engine, post_step=self._write_step)
 
     # --- the request --------------------------------------------------------------------------
 
@@ -57,8 +57,8 @@ class PrefillWorker:
         """Prefill once whatever ``n`` is: sample 0 computes the prompt (its KV goes to the decode
         worker) and the step that samples its first token draws the other samples' too."""
         sample = req.request
-        group = await self.engine.run(lambda e: e.make_group(
-            req.transfer_key, sample.prompt_token_ids, sample.sampling_params, sample_index=sample.sample_index))
+        group = await self.engine.make_group(req.transfer_key, sample.prompt_token_ids, sample.sampling_params,
+                                             sample_index=sample.sample_index)
         request = group.samples[0]
         rid = request.request_id  # the transfer key, "#0" appended when n > 1
         request.hold_blocks_on_finish = True
@@ -97,24 +97,24 @@ class PrefillWorker:
             job.cancelled = True  # the engine thread stops writing for it from now on
             with self._jobs_lock:
                 self._jobs.pop(rid, None)
-            self.engine.submit(lambda e: e.scheduler.release(rid))
+            self.engine.release(rid)
 
     # --- runs in the engine thread after every step -----------------------------------------------
 
-    def _write_step(self, engine: LLMEngine) -> None:
-        for rid, computed_before, num_new in engine.last_step:
+    def _write_step(self, report: StepReport) -> None:
+        for work in report.work:
+            rid, end = work.request_id, work.end
             with self._jobs_lock:
                 job = self._jobs.get(rid)
-            if job is None or job.cancelled or job.error is not None or rid not in engine.kv.tables:
+            if job is None or job.cancelled or job.error is not None:
                 continue
-            request = engine.scheduler.requests.get(rid)
-            end = computed_before + num_new
-            if request is None or end <= job.written_upto:
+            tables, num_prompt = report.block_tables(rid), report.num_prompt_tokens(rid)
+            if tables is None or num_prompt is None or end <= job.written_upto:
                 continue
-            last = end >= request.num_prompt_tokens
+            last = end >= num_prompt
             start = time.perf_counter()
             try:
-                copies = plan_block_copies(engine.kv_specs, engine.kv.block_tables(rid),
+                copies = plan_block_copies(list(report.kv_specs), tables,
                                            job.prefill.dest_block_tables, job.written_upto, end)
                 job.bytes_sent += self.backend.send(job.prefill.dest, job.prefill.transfer_key, copies, last)
             except Exception as exc:  # noqa: BLE001 - one request's bad write fails it, not the engine loop
@@ -122,7 +122,7 @@ class PrefillWorker:
                     f"KV write for {rid} failed: {exc!r}")
                 logger.warning("KV write for %s failed: %s", rid, error)
                 job.error = error
-                engine.abort_request(job.prefill.transfer_key, error=str(error), kind=ErrorKind.KV_TRANSFER)
+                report.abort(job.prefill.transfer_key, str(error), ErrorKind.KV_TRANSFER)
                 continue
             job.transfer_s += time.perf_counter() - start
             job.written_upto = end
@@ -130,9 +130,9 @@ class PrefillWorker:
     # --- introspection ------------------------------------------------------------------------------
 
     async def stats(self, replica_id: str) -> ReplicaStats:
-        metrics, counters = await self.engine.run(lambda e: (e.metrics(), e.counters()))
-        return replica_stats("prefill", replica_id, metrics, self.backend.stats,
-                             {"prefill_requests_total": float(self.prefills_completed), **counters})
+        stats = await self.engine.stats()
+        return replica_stats("prefill", replica_id, stats.gauges, self.backend.stats,
+                             {"prefill_requests_total": float(self.prefills_completed), **stats.counters})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -8,7 +8,7 @@ import openai
 import pytest
 import uvicorn
 
-from cluster.api.local_server import LocalEngineClient
+from cluster.local_server import LocalEngineClient
 from cluster.api.server import build_openai_app
 from cluster.config import parse_cluster_args
 from tests.e2e.conftest import free_port, httpx

@@ -173,7 +173,7 @@ def test_transfer_failure_without_fallback_fails_cleanly(model_dir):
             outs = [o async for o in decode.generate(GenerateRequest("f2", [5, 6, 7, 8, 9], params))]
             ok = await collect(decode, GenerateRequest("ok", [5, 6, 7], params))
             await asyncio.sleep(0.3)  # the abandoned reservation's grace period
-            await decode.engine.run(lambda e: e.step())
+            await decode.engine.call(lambda e: e.step())
             return outs, ok
         outs, ok = asyncio.run(go())
         assert outs[-1].finish_reason == "error" and "injected" in (outs[-1].error or "")
@@ -215,7 +215,7 @@ def test_callers_cancelled_at_any_moment_lose_nothing(model_dir):
             await asyncio.gather(*(cancelled(i) for i in range(48)))
             await asyncio.sleep(0.3)  # grace period of abandoned reservations
             for _ in range(3):
-                await decode.engine.run(lambda e: e.step() if e.has_work() else None)
+                await decode.engine.call(lambda e: e.step() if e.has_work() else None)
             return await run_all(decode, prompts, params)
         got = asyncio.run(go())
         assert prefill.engine.dead is None and decode.engine.dead is None

@@ -1,7 +1,10 @@
 """The OpenAI HTTP API over one in-process colocated engine, without Ray: a single-process
 server for development, and the baseline that measures what Ray and disaggregation add.
 
-    python -m cluster.api.local_server --model smollm2 --port 8001
+    python -m cluster.local_server --model smollm2 --port 8001
+
+A composition root like cluster.application: the HTTP layer (cluster.api) knows no engine, and
+the engine is driven through its EnginePort only.
 """
 from __future__ import annotations
 
@@ -14,23 +17,23 @@ from cluster.common.errors import OverloadedError
 from cluster.common.messages import GenerateRequest, ReplicaStats, StepDeltas, StepOutput
 from cluster.common.reporting import queue_time
 from cluster.config import ClusterConfig, parse_cluster_args
-from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.engine import LLMEngine
+from cluster.engine.port import EnginePort
 from cluster.models.registry import served_name
 
 
 class LocalEngineClient:
-    """EngineClient over an AsyncEngine in this process (prefill and decode in one engine)."""
+    """EngineClient over an engine in this process (prefill and decode in one engine)."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        engine = LLMEngine(config.model, config.cache, config.scheduler)
-        self.engine = AsyncEngine(engine)
-        if engine.tokenizer is None:
+        self.engine = EnginePort(LLMEngine(config.model, config.cache, config.scheduler))
+        info = self.engine.info
+        if info.tokenizer is None:
             raise RuntimeError("the HTTP API needs a model with a tokenizer")
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.scheduler_config.max_model_len
-        self.vocab_size = engine.vocab_size
+        self.tokenizer = info.tokenizer
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
         self.model_name = config.served_model_name or served_name(config.model.model)
         self._inflight = 0
 
@@ -40,8 +43,8 @@ class LocalEngineClient:
         self._inflight += 1
         rid = request.request_id
         try:
-            group = await self.engine.run(lambda e: e.make_group(
-                rid, request.prompt_token_ids, request.sampling_params, sample_index=request.sample_index))
+            group = await self.engine.make_group(rid, request.prompt_token_ids, request.sampling_params,
+                                                 sample_index=request.sample_index)
             deltas = StepDeltas(rid, request.sample_index)
             timed = False
             async for out in self.engine.generate(group):
@@ -59,7 +62,8 @@ class LocalEngineClient:
             raise RuntimeError(f"engine loop stopped: {self.engine.dead}")
 
     async def replica_stats(self) -> list[ReplicaStats]:
-        m, counters = await self.engine.run(lambda e: (e.metrics(), e.counters()))
+        stats = await self.engine.stats()
+        m = stats.gauges
         return [ReplicaStats(role="colocated", replica_id="local",
                              num_requests_running=int(m["num_requests_running"]),
                              num_requests_waiting=int(m["num_requests_waiting"]),
@@ -67,10 +71,10 @@ class LocalEngineClient:
                              num_free_blocks=int(m["num_free_blocks"]),
                              prefix_cache_hit_rate=m["prefix_cache_hit_rate"],
                              cuda_graphs_captured=m["cuda_graphs_captured"],
-                             extra=counters)]
+                             extra=stats.counters)]
 
     async def backends(self) -> list[dict[str, Any]]:
-        return [dict(b, role="colocated", replica="local") for b in self.engine.engine.backends()]
+        return [dict(b, role="colocated", replica="local") for b in self.engine.backends()]
 
 
 def main(argv: list[str] | None = None) -> None:
