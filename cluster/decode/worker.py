@@ -4,12 +4,14 @@ landed it decodes the rest in its batch, streaming StepOutputs. A request's ``n`
 prefill call, which draws every sample's first token from the prompt's logits: samples 1..n-1 then
 fork sample 0's KV here (full blocks shared, the last partial block copied), computing nothing.
 
-A sample's states here: WAITING (for blocks to reserve: first come, first served, as a local
-request waits in the scheduler's queue; bounded by ``max_waiting`` and the deadline) -> RESERVED
-(blocks held) -> RECEIVING (the prefill worker writes) -> RUNNING (decoding) -> FINISHED.
+A request's states here (``cluster.common.lifecycle.DecodeState``, one record per request, legal
+moves only, a gauge per state): WAITING_FOR_BLOCKS (first come, first served, as a local request
+waits in the scheduler's queue; bounded by ``max_waiting`` and the deadline) -> REMOTE_PREFILL
+(blocks reserved, the prefill worker computes and writes) -> RECEIVING (its last write landing)
+-> DECODING -> DONE.
 RECEIVING ends within ``kv_transfer_timeout_s``: on a failure or timeout the sample is prefilled
-here instead (or fails, if fallback is off). Short prompts, or all prompts when there is no
-prefill worker, are prefilled here from the start (LOCAL). Abandoned reservations stay out of use
+here instead (LOCAL_PREFILL; or FAILED, if fallback is off). Short prompts, or all prompts when there is no
+prefill worker, are prefilled here from the start (LOCAL_PREFILL). Abandoned reservations stay out of use
 for a grace period, so a late write cannot land in reused blocks."""
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from cluster.common.errors import OverloadedError, RequestTimeoutError
+from cluster.common.lifecycle import DECODE_TRANSITIONS, DecodeState, Lifecycles
 from cluster.common.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReplicaStats, StepDeltas,
                                      StepOutput)
 from cluster.common.outputs import RequestOutput
@@ -56,6 +59,8 @@ class DecodeWorker:
         #: Requests waiting for KV blocks to reserve, first come first served: the head tries
         #: again every RESERVE_POLL_S; the others wait for their event (set at their turn).
         self._reserve_queue: list[asyncio.Event] = []
+        #: Every request's state here (cluster.common.lifecycle), a gauge per state in /metrics.
+        self.lifecycle: Lifecycles[DecodeState] = Lifecycles(DECODE_TRANSITIONS, DecodeState.DONE)
 
     @property
     def reserve_waiting(self) -> int:
@@ -67,23 +72,42 @@ class DecodeWorker:
         group = await self.engine.make_group(rid, req.prompt_token_ids, req.sampling_params,
                                              arrival_time=_monotonic(req.arrival_time), sample_index=req.sample_index)
         first = group.samples[0].request_id
+        deadline = group.samples[0].deadline
+        local = req.local_prefill or self.prefill_fn is None
         queue = self.engine.open_stream(rid)
         timings: dict[str, float] = {}
         prefill_task: asyncio.Task[None] | None = None
+        self.lifecycle.start(rid, DecodeState.LOCAL_PREFILL if local else DecodeState.WAITING_FOR_BLOCKS, deadline)
         try:
-            if req.local_prefill or self.prefill_fn is None:
+            if local:
                 await self.engine.add(group)
             else:
                 tables = await self._reserve(group)
+                self.lifecycle.move(rid, DecodeState.REMOTE_PREFILL, self._transfer_deadline(deadline))
                 prefill = PrefillRequest(req, self.backend.endpoint(), tables, f"{self.engine_id}/{first}")
-                prefill_task = asyncio.create_task(self._remote_prefill(prefill, first, timings))
+                prefill_task = asyncio.create_task(self._remote_prefill(prefill, rid, first, deadline, timings))
             async for out in self._read(StepDeltas(rid, req.sample_index), group, queue, timings):
+                if out.new_token_ids and self.lifecycle.state(rid) is DecodeState.LOCAL_PREFILL:
+                    self.lifecycle.move(rid, DecodeState.DECODING, deadline)
+                if out.error_kind is not None and self.lifecycle.state(rid) is not DecodeState.FAILED:
+                    self.lifecycle.move(rid, DecodeState.FAILED)
                 yield out
+        except Exception:  # a failure (not the caller leaving: that ends the record below)
+            if self.lifecycle.state(rid) not in (None, DecodeState.FAILED):
+                self.lifecycle.move(rid, DecodeState.FAILED)
+            raise
         finally:
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
+            self.lifecycle.end(rid)
             self.engine.close_stream(rid)
             self.engine.abort(rid)  # no-op once finished
+
+    def _transfer_deadline(self, deadline: float | None) -> float:
+        """Until when a remote prefill (or its transfer) may take: the transfer timeout, or the
+        request's deadline if that comes first."""
+        limit = time.monotonic() + self.config.transfer.timeout_s
+        return limit if deadline is None else min(limit, deadline)
 
     async def _reserve(self, group: RequestGroup) -> list[list[int]]:
         """Reserve KV blocks for sample 0's prompt and return its block tables. With no room now
@@ -121,7 +145,8 @@ class DecodeWorker:
             if head and self._reserve_queue:
                 self._reserve_queue[0].set()
 
-    async def _remote_prefill(self, prefill: PrefillRequest, rid: str, timings: dict[str, float]) -> None:
+    async def _remote_prefill(self, prefill: PrefillRequest, group_id: str, rid: str, deadline: float | None,
+                              timings: dict[str, float]) -> None:
         """Sample ``rid``'s prompt computed by a prefill worker into the reserved blocks."""
         timeout = self.config.transfer.timeout_s
         start = time.monotonic()
@@ -129,11 +154,14 @@ class DecodeWorker:
             assert self.prefill_fn is not None
             result = await asyncio.wait_for(self.prefill_fn(prefill), timeout)
             returned = time.monotonic()
+            self.lifecycle.advance(group_id, DecodeState.REMOTE_PREFILL, DecodeState.RECEIVING,
+                                   self._transfer_deadline(deadline))
             await asyncio.to_thread(self.backend.wait_received, prefill.transfer_key, timeout, result.sender_node)
             timings.update(result.timings)
             timings["transfer_wait"] = time.monotonic() - returned
             timings["kv_ready"] = time.monotonic() - start
-            await self.engine.finish_remote(rid, result.first_token, result.logprobs, result.others)
+            if await self.engine.finish_remote(rid, result.first_token, result.logprobs, result.others):
+                self.lifecycle.advance(group_id, DecodeState.RECEIVING, DecodeState.DECODING, deadline)
             timings["num_cached_tokens"] = float(result.num_cached_tokens)
         except asyncio.CancelledError:
             self.backend.forget(prefill.transfer_key)
@@ -144,6 +172,9 @@ class DecodeWorker:
             fallback = self.config.transfer.fallback_to_local_prefill
             logger.warning("remote prefill of %s failed (%s); %s", rid, exc,
                            "prefilling locally" if fallback else "failing the request")
+            for expected in (DecodeState.REMOTE_PREFILL, DecodeState.RECEIVING):
+                self.lifecycle.advance(group_id, expected, DecodeState.LOCAL_PREFILL if fallback else DecodeState.FAILED,
+                                       deadline)
             await self.engine.fail_remote(rid, f"remote prefill failed: {exc}", fallback)
 
     async def _read(self, deltas: StepDeltas, group: RequestGroup, queue: asyncio.Queue[Any],
@@ -184,7 +215,8 @@ class DecodeWorker:
         stats = await self.engine.stats()
         stats.gauges["num_requests_waiting"] += self.reserve_waiting  # those waiting for blocks to reserve
         return replica_stats("decode", replica_id, stats.gauges, self.backend.stats,
-                             {"remote_prefill_failures_total": float(self.remote_prefill_failures), **stats.counters})
+                             {"remote_prefill_failures_total": float(self.remote_prefill_failures), **stats.counters,
+                              **self.lifecycle.gauges("decode_requests")})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -2,8 +2,9 @@
 shared scheduler), writes each step's KV blocks into the decode worker's reserved blocks as soon
 as the step is done, and returns the first token.
 
-A request's states here: QUEUED (waiting in the scheduler) -> PREFILLING (chunks computed, each
-followed by a write) -> SENT (last write done, first token known) -> RELEASED (blocks freed).
+A request's states here (``cluster.common.lifecycle.PrefillState``, legal moves only, a gauge per
+state): QUEUED (waiting in the scheduler) -> PREFILLING (chunks computed, each followed by a
+write) -> SENT (last write done, first token known) -> RELEASED (blocks freed).
 A failed write ends the request with KVTransferError; cancellation (the decode side gave up) or
 the request's deadline aborts it; every path frees its blocks."""
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from cluster.common.errors import ClusterError, ErrorKind, KVTransferError, RequestTimeoutError
+from cluster.common.lifecycle import PREFILL_TRANSITIONS, Lifecycles, PrefillState
 from cluster.common.messages import PrefillRequest, PrefillResult, ReplicaStats
 from cluster.common.reporting import replica_stats
 from cluster.config import ClusterConfig
@@ -49,6 +51,8 @@ class PrefillWorker:
         #: Prompts prefilled and handed over (one per request, whatever its ``n``).
         self.prefills_completed = 0
         self._jobs_lock = threading.Lock()
+        #: Every request's state here (cluster.common.lifecycle), a gauge per state in /metrics.
+        self.lifecycle: Lifecycles[PrefillState] = Lifecycles(PREFILL_TRANSITIONS, PrefillState.RELEASED)
         self.engine = EnginePort(engine, post_step=self._write_step)
 
     # --- the request --------------------------------------------------------------------------
@@ -63,6 +67,7 @@ class PrefillWorker:
         rid = request.request_id  # the transfer key, "#0" appended when n > 1
         request.hold_blocks_on_finish = True
         job = PrefillJob(req, written_upto=req.skip_tokens)
+        self.lifecycle.start(rid, PrefillState.QUEUED, request.deadline)
         with self._jobs_lock:
             self._jobs[rid] = job
         try:
@@ -70,10 +75,12 @@ class PrefillWorker:
             async for out in self.engine.generate(group):
                 final = out if final is None else final.add(out)
             if job.error is not None:
+                self._failed(rid)
                 raise job.error
             assert final is not None and final.finished
             completion = final.outputs[0]
             if completion.finish_reason in ("error", "abort") or not completion.token_ids:
+                self._failed(rid)
                 if final.error_kind is ErrorKind.DEADLINE:
                     raise RequestTimeoutError("the request's deadline passed during prefill")
                 raise ClusterError(f"prefill failed: {final.error or completion.finish_reason}")
@@ -97,7 +104,12 @@ class PrefillWorker:
             job.cancelled = True  # the engine thread stops writing for it from now on
             with self._jobs_lock:
                 self._jobs.pop(rid, None)
+            self.lifecycle.end(rid)
             self.engine.release(rid)
+
+    def _failed(self, rid: str) -> None:
+        for expected in (PrefillState.QUEUED, PrefillState.PREFILLING):
+            self.lifecycle.advance(rid, expected, PrefillState.FAILED)
 
     # --- runs in the engine thread after every step -----------------------------------------------
 
@@ -112,6 +124,7 @@ class PrefillWorker:
             if tables is None or num_prompt is None or end <= job.written_upto:
                 continue
             last = end >= num_prompt
+            self.lifecycle.advance(rid, PrefillState.QUEUED, PrefillState.PREFILLING)
             start = time.perf_counter()
             try:
                 copies = plan_block_copies(list(report.kv_specs), tables,
@@ -126,13 +139,16 @@ class PrefillWorker:
                 continue
             job.transfer_s += time.perf_counter() - start
             job.written_upto = end
+            if last:
+                self.lifecycle.advance(rid, PrefillState.PREFILLING, PrefillState.SENT)
 
     # --- introspection ------------------------------------------------------------------------------
 
     async def stats(self, replica_id: str) -> ReplicaStats:
         stats = await self.engine.stats()
         return replica_stats("prefill", replica_id, stats.gauges, self.backend.stats,
-                             {"prefill_requests_total": float(self.prefills_completed), **stats.counters})
+                             {"prefill_requests_total": float(self.prefills_completed), **stats.counters,
+                              **self.lifecycle.gauges("prefill_requests")})
 
     def shutdown(self) -> None:
         self.engine.shutdown()

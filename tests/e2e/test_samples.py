@@ -162,7 +162,7 @@ def test_one_prefill_per_prompt_whatever_n(served, model_dir, offline):
 
 def test_many_multi_sample_requests_at_once(served, model_dir, offline):
     """Concurrent requests of several samples each: every sample of every request routed and
-    answered, none lost, KV back to empty."""
+    answered, none lost, KV back to empty, no request left in any lifecycle state."""
     run, _ = offline
     model = model_name(model_dir)
 
@@ -173,3 +173,13 @@ def test_many_multi_sample_requests_at_once(served, model_dir, offline):
     assert asyncio.run(many()) == [want] * 6
     usage = served.wait_for_metric("cluster:kv_cache_usage_perc", lambda v: v and max(v) == 0.0, role="decode")
     assert usage and max(usage) == 0.0
+    # the roles' lifecycle gauges are served, one per state, and drain to zero
+    for state in ("waiting_for_blocks", "remote_prefill", "receiving", "local_prefill", "decoding", "failed",
+                  "overdue"):
+        values = served.wait_for_metric(f"cluster:decode_requests_{state}", lambda v: v and max(v) == 0.0,
+                                        role="decode")
+        assert values and max(values) == 0.0, state
+    for state in ("queued", "prefilling", "sent", "failed", "overdue"):
+        values = served.wait_for_metric(f"cluster:prefill_requests_{state}", lambda v: v and max(v) == 0.0,
+                                        role="prefill")
+        assert values and max(values) == 0.0, state

@@ -10,6 +10,8 @@ import uuid
 import pytest
 
 from cluster import LLM, SamplingParams
+from cluster.common.lifecycle import DecodeState as D
+from cluster.common.lifecycle import PrefillState as P
 from cluster.common.messages import GenerateRequest
 from cluster.config import parse_cluster_args
 from cluster.decode.worker import DecodeWorker
@@ -70,6 +72,14 @@ async def run_all(decode, prompts, params, concurrency=8, local=False):
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
+def paths(history) -> set[tuple]:
+    """Each request's sequence of states, from a lifecycle's history."""
+    by_request: dict[str, list] = {}
+    for rid, _, state in history:
+        by_request.setdefault(rid, []).append(state)
+    return {tuple(states) for states in by_request.values()}
+
+
 def prompts_with_shared_prefixes() -> list[list[int]]:
     base = mixed_prompts(300, (3, 5, 9, 13, 17, 22, 30, 41), seed=3)
     shared = base[-1]
@@ -84,12 +94,18 @@ def test_disaggregated_equals_colocated(model_dir, sampling):
     assert len(prompts) >= 20
     expected = [o.outputs[0].token_ids for o in LLM(model_dir, block_size=4).generate(prompts, params)]
     prefill, decode = make_pair(model_dir)
+    decode.lifecycle.history, prefill.lifecycle.history = [], []
     try:
         got = asyncio.run(run_all(decode, prompts, params))
         assert got == expected
         assert decode.backend.stats.count == 0 and prefill.backend.stats.count > 0
         assert decode.remote_prefill_failures == 0  # every prompt really went through the prefill worker
         assert decode.engine.engine.kv.usage == 0.0 and prefill.engine.engine.kv.usage == 0.0
+        # every request went through each role's lifecycle, in order, and left no record
+        assert paths(decode.lifecycle.history) == {(D.WAITING_FOR_BLOCKS, D.REMOTE_PREFILL, D.RECEIVING,
+                                                    D.DECODING, D.DONE)}
+        assert paths(prefill.lifecycle.history) == {(P.QUEUED, P.PREFILLING, P.SENT, P.RELEASED)}
+        assert not any(decode.lifecycle.counts().values()) and not any(prefill.lifecycle.counts().values())
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -153,11 +169,14 @@ def test_transfer_failure_falls_back_to_local_prefill(model_dir):
     prompt = mixed_prompts(300, (21,), seed=9)[0]
     expected = LLM(model_dir, block_size=4).generate([prompt], params)[0].outputs[0].token_ids
     prefill, decode = make_pair(model_dir)
+    decode.lifecycle.history = []
     try:
         prefill.backend.inject_failures = 1
         got = asyncio.run(collect(decode, GenerateRequest("f1", prompt, params)))
         assert got == expected and prefill.backend.stats.failures_total == 1
         assert decode.remote_prefill_failures == 1
+        assert paths(decode.lifecycle.history) == {(D.WAITING_FOR_BLOCKS, D.REMOTE_PREFILL, D.LOCAL_PREFILL,
+                                                    D.DECODING, D.DONE)}
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -166,6 +185,7 @@ def test_transfer_failure_falls_back_to_local_prefill(model_dir):
 def test_transfer_failure_without_fallback_fails_cleanly(model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prefill, decode = make_pair(model_dir, fallback_to_local_prefill=False, remote_kv_grace_s=0.1)
+    decode.lifecycle.history = []
     try:
         prefill.backend.inject_failures = 1
 
@@ -178,6 +198,9 @@ def test_transfer_failure_without_fallback_fails_cleanly(model_dir):
         outs, ok = asyncio.run(go())
         assert outs[-1].finish_reason == "error" and "injected" in (outs[-1].error or "")
         assert len(ok) == 8  # the next request is served
+        assert paths(decode.lifecycle.history) == {
+            (D.WAITING_FOR_BLOCKS, D.REMOTE_PREFILL, D.FAILED, D.DONE),
+            (D.WAITING_FOR_BLOCKS, D.REMOTE_PREFILL, D.RECEIVING, D.DECODING, D.DONE)}
         assert decode.engine.engine.kv.usage == 0.0 and prefill.engine.engine.kv.usage == 0.0
     finally:
         prefill.shutdown()
