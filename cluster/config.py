@@ -94,6 +94,14 @@ class SchedulerConfig:
         _positive("max_waiting", self.max_waiting)
         _choice("role", self.role, typing.get_args(Role))
 
+    @property
+    def prefill_only(self) -> bool:
+        """Every request ends at its first token, its blocks held for the transfer (the prefill
+        role: a decode worker generates the rest). Such an engine never decodes, so it captures
+        no decode graphs, pipelines nothing and forks no sample's blocks. The engine reads this
+        flag, never the role's name."""
+        return self.role == "prefill"
+
 
 @dataclass(frozen=True)
 class TransferConfig:

@@ -49,10 +49,11 @@ class InFlightStep:
     rows: dict[str, int]  # request id -> row in tokens
 
 
-def announce_graph_status(status: GraphStatus, device: torch.device, role: str) -> None:
+def announce_graph_status(status: GraphStatus, device: torch.device, decodes: bool) -> None:
     """Log whether decode runs as CUDA graphs: a warning where a GPU decodes without them (the
-    fast path fell back, or ``enforce_eager``), info otherwise (captured, a CPU, a prefill role)."""
-    if status.captured or device.type != "cuda" or role == "prefill":
+    fast path fell back, or ``enforce_eager``), info otherwise (captured, a CPU, an engine that
+    never decodes)."""
+    if status.captured or device.type != "cuda" or not decodes:
         logger.info("decode CUDA graphs %s", status.describe())
     else:
         logger.warning("decode CUDA graphs are OFF (%s): every decode step launches its kernels from the "
@@ -118,7 +119,7 @@ class LLMEngine:
         #: Samples that took another sample's prompt KV instead of computing it (metrics, tests).
         self.num_forked_samples = 0
         self._pipelined = (self.scheduler_config.async_scheduling and self.runner.graphs is not None
-                           and self.scheduler_config.role != "prefill")
+                           and not self.scheduler_config.prefill_only)
         #: Steps launched pipelined / run synchronously (metrics, tests).
         self.num_pipelined_steps = 0
         self.num_sync_steps = 0
@@ -130,7 +131,7 @@ class LLMEngine:
         loudly when decode runs without them."""
         if self.model_config.enforce_eager:
             self.runner.graph_status = GraphStatus(reason="enforce_eager is set")
-        elif self.scheduler_config.role == "prefill":
+        elif self.scheduler_config.prefill_only:
             self.runner.graph_status = GraphStatus(reason="prefill role: no decode steps to capture")
         else:
             start = time.perf_counter()
@@ -138,7 +139,7 @@ class LLMEngine:
             self.startup_timings["cuda_graphs_s"] = time.perf_counter() - start
             if self.runner.graphs is not None:
                 self.startup_timings.update(self.runner.graphs.timings)
-        announce_graph_status(self.runner.graph_status, self.device, self.scheduler_config.role)
+        announce_graph_status(self.runner.graph_status, self.device, decodes=not self.scheduler_config.prefill_only)
 
     def _init_scheduler_config(self, config: SchedulerConfig) -> SchedulerConfig:
         model_len = int(self.model.max_position_embeddings)
@@ -274,7 +275,7 @@ class LLMEngine:
     def _fork(self, first: Request, sample: Request, token: int, logprobs: PositionLogprobs | None) -> bool:
         """``sample`` takes ``first``'s prompt KV and its own first token. A prefill role forks no
         blocks: the sample ends at its first token, and the decode worker forks there."""
-        if self.scheduler_config.role != "prefill":
+        if not self.scheduler_config.prefill_only:
             copies = self.scheduler.fork(first, sample)
             if copies is None:
                 return False
@@ -340,14 +341,14 @@ class LLMEngine:
         else:
             self._complete_in_flight()
             sched = self.scheduler.schedule()
-        tables = self._begin(sched)
+        self._begin(sched)
         for request in sched.failed:
             self._mark_changed(request)
         if not sched.is_empty:
             self.num_sync_steps += 1
-            forks = self._forks(sched)
+            sched.forks = forks = self._forks(sched)
             try:
-                result = self.runner.execute(sched, tables, forks)
+                result = self.runner.execute(sched)
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the loop
                 logger.exception("model step failed")
                 self._fail(sched.scheduled, exc)
@@ -359,10 +360,9 @@ class LLMEngine:
                 self._process(sched.scheduled, result)
         return self._collect()
 
-    def _begin(self, sched: SchedulerOutput) -> dict[str, list[list[int]]]:
-        """Record the step in ``last_step``; the block tables of its requests."""
+    def _begin(self, sched: SchedulerOutput) -> None:
+        """Record the step in ``last_step``."""
         self.last_step = [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
-        return {s.request.request_id: self.kv.block_tables(s.request.request_id) for s in sched.scheduled}
 
     def _fail(self, scheduled: list[ScheduledRequest], exc: Exception) -> None:
         for s in scheduled:
@@ -394,9 +394,9 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput) -> None:
         """Launch a pipelined step, then read the previous one (the GPU runs this one meanwhile)."""
         previous = self._in_flight
-        tables = self._begin(sched)
+        self._begin(sched)
         try:
-            tokens = self.runner.launch(sched, tables, previous.rows if previous else {},
+            tokens = self.runner.launch(sched, previous.rows if previous else {},
                                         previous.tokens if previous else None)
             host, done = tokens, None
             if tokens.is_cuda:
@@ -472,7 +472,7 @@ class LLMEngine:
             request.first_token_time = time.monotonic()
         group = self._sample_group[request.request_id]
         status = self.output_processor.on_token(request, group.texts[group.samples.index(request)])
-        if status is None and self.scheduler_config.role == "prefill":
+        if status is None and self.scheduler_config.prefill_only:
             status = RequestStatus.FINISHED_LENGTH  # the decode worker generates the rest
         if group.held and request is group.samples[0]:
             self._settle_held(group)  # its other samples fork the prompt's KV before it can be freed

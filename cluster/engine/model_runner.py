@@ -84,26 +84,25 @@ class ModelRunner:
         return self.graph_status
 
     @torch.inference_mode()
-    def forward(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]]
-                ) -> tuple[torch.Tensor, list[tuple[int, ScheduledRequest]]]:
+    def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[int, ScheduledRequest]]]:
         """Run the model on the step's tokens (writing their KV); returns the final hidden states
         ``[T, H]`` and, for each request to sample, the row of its last token."""
-        batch = build_host_batch(sched.scheduled, block_tables, self.specs)
+        batch = build_host_batch(sched.scheduled, sched.block_tables, self.specs)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch), batch.sample_rows
         ctx, input_ids = self._context(batch)
         return self.model(input_ids, ctx), batch.sample_rows
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
-                forks: dict[str, list[Request]] | None = None) -> RunnerOutput:
-        """Run the step and sample. ``forks``: requests that take a first token from another's
-        row too (a request's other samples, drawn from its prompt's logits, each with its own
-        seed and sample index)."""
-        hidden, sample_rows = self.forward(sched, block_tables)
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run the step and sample: each request whose chunk reaches its end, and its
+        ``sched.forks`` (a request's other samples, drawn from the same logits row, each with its
+        own seed and sample index)."""
+        hidden, sample_rows = self.forward(sched)
         out = RunnerOutput()
         if not sample_rows:
             return out
+        forks = sched.forks
         if forks:
             sample_rows = [(row, r) for row, s in sample_rows
                            for r in (s.request, *forks.get(s.request.request_id, ()))]
@@ -125,12 +124,11 @@ class ModelRunner:
                 and all(s.num_new_tokens == 1 and s.samples_with_pending for s in sched.scheduled))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, block_tables: dict[str, list[list[int]]],
-               token_rows: dict[str, int], previous: torch.Tensor | None) -> torch.Tensor:
+    def launch(self, sched: SchedulerOutput, token_rows: dict[str, int], previous: torch.Tensor | None) -> torch.Tensor:
         """Run a decode step (``can_launch``) as a graph and sample, without waiting for the GPU:
         returns the sampled tokens ``[B]`` on the device. A request in ``token_rows`` takes its
         input token from ``previous[token_rows[id]]`` (sampled by the step still in flight)."""
-        batch = build_host_batch(sched.scheduled, block_tables, self.specs)
+        batch = build_host_batch(sched.scheduled, sched.block_tables, self.specs)
         source = None
         if token_rows and previous is not None:
             rows = np.array([token_rows.get(s.request.request_id, -1) for s in sched.scheduled], dtype=np.int64)

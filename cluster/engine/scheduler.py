@@ -45,6 +45,11 @@ class SchedulerOutput:
     """The whole contract between scheduler and model runner for one step."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    #: Per scheduled request, its block table in every KV group, covering this step's tokens.
+    block_tables: dict[str, list[list[int]]] = field(default_factory=dict)
+    #: Requests that take a first token from another's row too (a request's other samples,
+    #: drawn from sample 0's prompt logits): set by the engine before the step runs.
+    forks: dict[str, list[Request]] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     #: Requests the scheduler ended this step (one that can never get its blocks): the engine
     #: reports them.
@@ -168,6 +173,7 @@ class Scheduler:
                 break
         if not preempted_now:
             self._admit_waiting(out, budget)
+        out.block_tables = {s.request.request_id: self.kv.block_tables(s.request.request_id) for s in out.scheduled}
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:

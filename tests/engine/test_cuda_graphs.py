@@ -244,8 +244,8 @@ def test_graph_status_says_why_graphs_are_off(tmp_path, monkeypatch, caplog):
     assert not status.captured and eager.engine.runner.graphs is None
     assert graph_row(eager)["reason"].startswith("off: self-check failed: GraphUnsafeError")
     with caplog.at_level("INFO", logger="cluster.engine.engine"):
-        announce_graph_status(status, torch.device("cuda"), "decode")
-        announce_graph_status(status, torch.device("cuda"), "prefill")
+        announce_graph_status(status, torch.device("cuda"), decodes=True)
+        announce_graph_status(status, torch.device("cuda"), decodes=False)
     announced = [r for r in caplog.records if r.name == "cluster.engine.engine"]
     assert [r.levelname for r in announced] == ["WARNING", "INFO"]
     assert "OFF (self-check failed" in announced[0].getMessage()
