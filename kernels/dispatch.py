@@ -34,14 +34,8 @@ from typing import Any
 import torch
 
 Capability = tuple[int, int] | None
-OPS = ("attention", "kv_cache_write", "qkv_prepare", "moe", "rms_norm", "rotary", "silu_and_mul", "sampling",
-       "v4_sparse_attention", "v4_indexer", "linear")
-#: Ops that ``attention_backend`` overrides (for both roles).
-ATTENTION_OPS = ("attention", "kv_cache_write", "qkv_prepare", "v4_sparse_attention", "v4_indexer")
 ROLES = ("main", "draft")
 WEIGHT_FORMATS = ("bf16", "fp8_block", "mxfp4", "nvfp4")
-#: Formats each op accepts ("bf16" = unquantized, whatever the float dtype).
-OP_FORMATS: dict[str, tuple[str, ...]] = {op: ("bf16",) for op in OPS} | {"moe": WEIGHT_FORMATS}
 
 
 class KernelUnavailableError(RuntimeError):
@@ -142,40 +136,92 @@ def _not_integrated() -> Callable[..., Any]:
     raise KernelUnavailableError("flashinfer_trtllm has no integration in this build")
 
 
+@dataclass(frozen=True)
+class OpSpec:
+    """One op, declared once: its pure-torch reference (runs everywhere), its portable Triton
+    kernel (CUDA, sm_80+), the weight formats it takes, which setting overrides it, the models'
+    ``Ops`` field that holds it per role, and the component every model family resolves it
+    under. The dispatch table (``REGISTRY``) and the models' op set (cluster.models.ops) derive
+    from ``OP_SPECS``; adding an op is one entry here and its typed ``Ops`` field."""
+
+    name: str
+    reference: tuple[str, str]
+    triton: tuple[str, str]
+    formats: tuple[str, ...] = ("bf16",)
+    #: ``attention_backend`` overrides it, for both roles (else see ``override_for``).
+    attention: bool = False
+    #: (role, Ops field) pairs: where a resolved kernel goes in the models' op set.
+    fields: tuple[tuple[str, str], ...] = ()
+    #: The component name every model family resolves it under (None: only the families that
+    #: use the op declare a component for it).
+    base_component: str | None = None
+    #: Implementations beyond torch and triton (builds for some architectures only).
+    extra: tuple[KernelImpl, ...] = ()
+
+
+#: An external MoE kernel built only for sm_100 and not installed in this build: registered so
+#: that choosing it for another architecture is refused with a clear message (the founding failure).
+_FLASHINFER_MOE = KernelImpl(
+    "flashinfer_trtllm", "moe", ("mxfp4", "nvfp4"), lambda: _not_integrated, priority=100,
+    needs_cuda=True, capabilities=((10, 0),), installed=lambda: False,
+    requirement="an sm_100 flashinfer build; no integration in this build")
+
+OP_SPECS: tuple[OpSpec, ...] = (
+    OpSpec("attention", ("kernels.attention", "paged_attention_ref"),
+           ("kernels.triton_attention", "paged_attention_triton"), attention=True,
+           fields=(("main", "attention"),), base_component="attention"),
+    OpSpec("kv_cache_write", ("kernels.attention", "write_kv_cache"),
+           ("kernels.triton_attention", "write_kv_cache_triton"), attention=True,
+           fields=(("main", "kv_cache_write"),), base_component="kv_cache_write"),
+    OpSpec("qkv_prepare", ("kernels.qkv_prepare", "qkv_prepare_ref"),
+           ("kernels.triton_qkv_prepare", "qkv_prepare_triton"), attention=True,
+           fields=(("main", "qkv_prepare"),), base_component="qkv_prepare"),
+    OpSpec("moe", ("kernels.moe", "fused_moe_ref"), ("kernels.triton_moe", "fused_moe_triton"),
+           formats=WEIGHT_FORMATS, fields=(("main", "moe"), ("draft", "draft_moe")), extra=(_FLASHINFER_MOE,)),
+    OpSpec("rms_norm", ("kernels.norm", "rms_norm_ref"), ("kernels.triton_norm", "rms_norm_triton"),
+           fields=(("main", "rms_norm"),), base_component="rms_norm"),
+    OpSpec("rotary", ("kernels.rotary", "apply_rotary_ref"), ("kernels.triton_rotary", "apply_rotary_triton"),
+           fields=(("main", "rotary"),), base_component="rotary"),
+    OpSpec("silu_and_mul", ("kernels.activation", "silu_and_mul_ref"),
+           ("kernels.triton_activation", "silu_and_mul_triton"),
+           fields=(("main", "silu_and_mul"),), base_component="silu_and_mul"),
+    OpSpec("sampling", ("kernels.sampling", "apply_top_k_top_p_min_p_ref"),
+           ("kernels.triton_sampling", "apply_top_k_top_p_min_p_triton"),
+           fields=(("main", "sampling"),), base_component="sampler"),
+    OpSpec("v4_sparse_attention", ("kernels.deepseek_v4_ref", "sparse_attention_ref"),
+           ("kernels.triton_deepseek_v4_attention", "sparse_attention_triton"), attention=True,
+           fields=(("main", "v4_sparse_attention"),)),
+    OpSpec("v4_indexer", ("kernels.deepseek_v4_ref", "indexer_topk_ref"),
+           ("kernels.triton_deepseek_v4_indexer", "indexer_topk_triton"), attention=True,
+           fields=(("main", "v4_indexer"),)),
+    OpSpec("linear", ("kernels.linear", "linear_ref"), ("kernels.triton_linear", "linear_triton"),
+           fields=(("main", "linear"),), base_component="linear"),
+)
+
+OPS = tuple(spec.name for spec in OP_SPECS)
+#: Ops that ``attention_backend`` overrides (for both roles).
+ATTENTION_OPS = tuple(spec.name for spec in OP_SPECS if spec.attention)
+#: Formats each op accepts ("bf16" = unquantized, whatever the float dtype).
+OP_FORMATS: dict[str, tuple[str, ...]] = {spec.name: spec.formats for spec in OP_SPECS}
+#: (op, role) -> the field of the models' Ops that holds its kernel.
+OPS_FIELDS: dict[tuple[str, str], str] = {(spec.name, role): f for spec in OP_SPECS for role, f in spec.fields}
+
+
+def base_components() -> list[tuple[str, str, str, str]]:
+    """(component, op, weight format, role) every model family resolves."""
+    return [(spec.base_component, spec.name, "bf16", "main") for spec in OP_SPECS if spec.base_component]
+
+
 def _build_registry() -> dict[str, list[KernelImpl]]:
-    refs = {"attention": ("kernels.attention", "paged_attention_ref"),
-            "kv_cache_write": ("kernels.attention", "write_kv_cache"),
-            "qkv_prepare": ("kernels.qkv_prepare", "qkv_prepare_ref"),
-            "moe": ("kernels.moe", "fused_moe_ref"), "rms_norm": ("kernels.norm", "rms_norm_ref"),
-            "rotary": ("kernels.rotary", "apply_rotary_ref"),
-            "silu_and_mul": ("kernels.activation", "silu_and_mul_ref"),
-            "sampling": ("kernels.sampling", "apply_top_k_top_p_min_p_ref"),
-            "v4_sparse_attention": ("kernels.deepseek_v4_ref", "sparse_attention_ref"),
-            "v4_indexer": ("kernels.deepseek_v4_ref", "indexer_topk_ref"),
-            "linear": ("kernels.linear", "linear_ref")}
-    tritons = {"attention": ("kernels.triton_attention", "paged_attention_triton"),
-               "kv_cache_write": ("kernels.triton_attention", "write_kv_cache_triton"),
-               "qkv_prepare": ("kernels.triton_qkv_prepare", "qkv_prepare_triton"),
-               "moe": ("kernels.triton_moe", "fused_moe_triton"),
-               "rms_norm": ("kernels.triton_norm", "rms_norm_triton"),
-               "rotary": ("kernels.triton_rotary", "apply_rotary_triton"),
-               "silu_and_mul": ("kernels.triton_activation", "silu_and_mul_triton"),
-               "sampling": ("kernels.triton_sampling", "apply_top_k_top_p_min_p_triton"),
-               "v4_sparse_attention": ("kernels.triton_deepseek_v4_attention", "sparse_attention_triton"),
-               "v4_indexer": ("kernels.triton_deepseek_v4_indexer", "indexer_topk_triton"),
-               "linear": ("kernels.triton_linear", "linear_triton")}
     registry: dict[str, list[KernelImpl]] = {}
-    for op in OPS:
-        registry[op] = [
-            KernelImpl("torch", op, OP_FORMATS[op], _from(*refs[op]), priority=0),
-            KernelImpl("triton", op, OP_FORMATS[op], _from(*tritons[op]), priority=50,
+    for spec in OP_SPECS:
+        registry[spec.name] = [
+            KernelImpl("torch", spec.name, spec.formats, _from(*spec.reference), priority=0),
+            KernelImpl("triton", spec.name, spec.formats, _from(*spec.triton), priority=50,
                        needs_cuda=True, min_capability=(8, 0), installed=_has_triton,
                        requirement="pip install triton"),
+            *spec.extra,
         ]
-    registry["moe"].append(KernelImpl(
-        "flashinfer_trtllm", "moe", ("mxfp4", "nvfp4"), lambda: _not_integrated, priority=100,
-        needs_cuda=True, capabilities=((10, 0),), installed=lambda: False,
-        requirement="an sm_100 flashinfer build; no integration in this build"))
     return registry
 
 

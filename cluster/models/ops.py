@@ -21,17 +21,12 @@ from kernels.qkv_prepare import qkv_prepare_ref
 from kernels.rotary import apply_rotary_ref
 from kernels.sampling import apply_top_k_top_p_min_p_ref
 
-#: (op, role) -> the Ops field that holds its kernel.
-FIELDS = {("attention", "main"): "attention", ("kv_cache_write", "main"): "kv_cache_write",
-          ("qkv_prepare", "main"): "qkv_prepare",
-          ("rms_norm", "main"): "rms_norm", ("rotary", "main"): "rotary",
-          ("silu_and_mul", "main"): "silu_and_mul", ("moe", "main"): "moe", ("moe", "draft"): "draft_moe",
-          ("sampling", "main"): "sampling", ("v4_sparse_attention", "main"): "v4_sparse_attention",
-          ("v4_indexer", "main"): "v4_indexer", ("linear", "main"): "linear"}
-
-
 @dataclass(frozen=True)
 class Ops:
+    """The kernel of every op a model calls; its fields are those ``kernels.dispatch.OP_SPECS``
+    names (tests/kernels/test_dispatch.py checks they match), each defaulting to the op's
+    reference."""
+
     attention: Callable[..., torch.Tensor] = paged_attention_ref
     kv_cache_write: Callable[..., None] = write_kv_cache
     qkv_prepare: Callable[..., torch.Tensor] = qkv_prepare_ref
@@ -54,12 +49,8 @@ REFERENCE_OPS = Ops()
 
 
 def base_components() -> list[tuple[str, str, str, str]]:
-    """(component, op, weight format, role) every model family needs."""
-    return [("attention", "attention", "bf16", "main"), ("kv_cache_write", "kv_cache_write", "bf16", "main"),
-            ("qkv_prepare", "qkv_prepare", "bf16", "main"),
-            ("rms_norm", "rms_norm", "bf16", "main"), ("rotary", "rotary", "bf16", "main"),
-            ("silu_and_mul", "silu_and_mul", "bf16", "main"), ("sampler", "sampling", "bf16", "main"),
-            ("linear", "linear", "bf16", "main")]
+    """(component, op, weight format, role) every model family needs (from kernels.dispatch)."""
+    return dispatch.base_components()
 
 
 def resolve_ops(components: Sequence[tuple[str, str, str, str]], device: torch.device, *,
@@ -79,7 +70,7 @@ def resolve_ops(components: Sequence[tuple[str, str, str, str]], device: torch.d
         raise UnsupportedSettingError(str(exc), param=_first_flag(specs)) from exc
     fields: dict[str, Any] = {}
     for spec in specs:
-        key = FIELDS.get((spec.op, spec.role))
+        key = dispatch.OPS_FIELDS.get((spec.op, spec.role))
         if key is not None:
             fields.setdefault(key, choices[spec.name].fn)
     table = tuple({"component": name, **choice.as_dict()} for name, choice in choices.items())

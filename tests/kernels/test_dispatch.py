@@ -156,3 +156,22 @@ def _install_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
     impls = [dataclasses.replace(i, installed=lambda: True) if i.name == "flashinfer_trtllm" else i
              for i in dispatch.REGISTRY["moe"]]
     monkeypatch.setitem(dispatch.REGISTRY, "moe", impls)
+
+
+def test_every_op_is_declared_once_and_the_models_op_set_matches():
+    """kernels.dispatch.OP_SPECS is the one declaration: the registry, the formats, the attention
+    override set and the models' Ops fields derive from it, and each Ops field defaults to the
+    reference its spec names."""
+    import dataclasses
+    import importlib
+
+    from cluster.models.ops import REFERENCE_OPS, Ops
+    assert list(dispatch.REGISTRY) == list(OPS) == [s.name for s in dispatch.OP_SPECS]
+    fields = {f.name for f in dataclasses.fields(Ops)} - {"table"}
+    assert fields == set(dispatch.OPS_FIELDS.values())
+    for spec in dispatch.OP_SPECS:
+        reference = getattr(importlib.import_module(spec.reference[0]), spec.reference[1])
+        for _, field_name in spec.fields:
+            assert getattr(REFERENCE_OPS, field_name) is reference, (spec.name, field_name)
+        assert [i.name for i in dispatch.REGISTRY[spec.name]][:2] == ["torch", "triton"]
+        assert all(i.op == spec.name for i in dispatch.REGISTRY[spec.name])
