@@ -74,10 +74,10 @@ class DecodeWorker:
         first = group.samples[0].request_id
         deadline = group.samples[0].deadline
         local = req.local_prefill or self.prefill_fn is None
+        self.lifecycle.start(rid, DecodeState.LOCAL_PREFILL if local else DecodeState.WAITING_FOR_BLOCKS, deadline)
         queue = self.engine.open_stream(rid)
         timings: dict[str, float] = {}
         prefill_task: asyncio.Task[None] | None = None
-        self.lifecycle.start(rid, DecodeState.LOCAL_PREFILL if local else DecodeState.WAITING_FOR_BLOCKS, deadline)
         try:
             if local:
                 await self.engine.add(group)
