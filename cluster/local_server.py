@@ -16,9 +16,11 @@ from cluster.api.server import build_openai_app
 from cluster.common.errors import OverloadedError
 from cluster.common.messages import GenerateRequest, ReplicaStats, StepDeltas, StepOutput
 from cluster.common.reporting import queue_time
+from cluster.common.reporting import replica_stats as build_replica_stats
 from cluster.config import ClusterConfig, parse_cluster_args
 from cluster.engine.engine import LLMEngine
 from cluster.engine.port import EnginePort
+from cluster.kv_transfer.base import TransferStats
 from cluster.models.registry import served_name
 
 
@@ -63,15 +65,8 @@ class LocalEngineClient:
 
     async def replica_stats(self) -> list[ReplicaStats]:
         stats = await self.engine.stats()
-        m = stats.gauges
-        return [ReplicaStats(role="colocated", replica_id="local",
-                             num_requests_running=int(m["num_requests_running"]),
-                             num_requests_waiting=int(m["num_requests_waiting"]),
-                             kv_cache_usage_perc=m["kv_cache_usage_perc"],
-                             num_free_blocks=int(m["num_free_blocks"]),
-                             prefix_cache_hit_rate=m["prefix_cache_hit_rate"],
-                             cuda_graphs_captured=m["cuda_graphs_captured"],
-                             extra=stats.counters)]
+        # one engine, no KV transfer: its transfer counters are zero
+        return [build_replica_stats("colocated", "local", stats.gauges, TransferStats(), stats.counters)]
 
     async def backends(self) -> list[dict[str, Any]]:
         return [dict(b, role="colocated", replica="local") for b in self.engine.backends()]

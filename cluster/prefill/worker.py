@@ -127,7 +127,7 @@ class PrefillWorker:
             self.lifecycle.advance(rid, PrefillState.QUEUED, PrefillState.PREFILLING)
             start = time.perf_counter()
             try:
-                copies = plan_block_copies(list(report.kv_specs), tables,
+                copies = plan_block_copies(report.kv_specs, tables,
                                            job.prefill.dest_block_tables, job.written_upto, end)
                 job.bytes_sent += self.backend.send(job.prefill.dest, job.prefill.transfer_key, copies, last)
             except Exception as exc:  # noqa: BLE001 - one request's bad write fails it, not the engine loop
