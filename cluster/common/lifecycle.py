@@ -130,11 +130,6 @@ class Lifecycles(Generic[S]):
             record = self._records.get(request_id)
         return None if record is None else record[0]
 
-    def deadline(self, request_id: str) -> float | None:
-        with self._lock:
-            record = self._records.get(request_id)
-        return None if record is None else record[2]
-
     def overdue(self, now: float | None = None) -> list[tuple[str, S]]:
         """Records past their deadline in their state (a stuck request: the tests require none)."""
         now = time.monotonic() if now is None else now
