@@ -112,7 +112,8 @@ def engine_logits(llm: Any, request_id: str, ids: list[int], start: int, chunk: 
     for pos in range(start, len(ids), chunk):
         n = min(chunk, len(ids) - pos)
         assert eng.kv.allocate(request_id, pos + n)
-        sched = SchedulerOutput([ScheduledRequest(req, pos, n)], {request_id: eng.kv.block_tables(request_id)})
+        sched = SchedulerOutput([ScheduledRequest(req, pos, n, request_id, ids[pos:pos + n])],
+                                {request_id: eng.kv.block_tables(request_id)})
         hidden, _ = eng.runner.forward(sched)
         pieces.append(eng.model.compute_logits(hidden))
     return torch.cat(pieces)

@@ -95,7 +95,8 @@ def engine_logits(llm: Any, ids: list[int], chunk: int) -> torch.Tensor:
     try:
         for start in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - start)
-            sched = SchedulerOutput([ScheduledRequest(req, start, n)], {"probe": eng.kv.block_tables("probe")})
+            sched = SchedulerOutput([ScheduledRequest(req, start, n, "probe", ids[start:start + n])],
+                                    {"probe": eng.kv.block_tables("probe")})
             hidden, _ = eng.runner.forward(sched)
             pieces.append(eng.model.compute_logits(hidden))
     finally:

@@ -10,10 +10,11 @@ Decode worker (one record per request, whatever its ``n``)::
     LOCAL_PREFILL (short prompts, no prefill worker) -> DECODING
     any state -> FAILED -> DONE, or -> DONE (finished, cancelled)
 
-Prefill worker::
+Prefill worker (chunks are computed in PREFILLING while earlier chunks' writes may be in flight;
+SENDING: the whole prompt is computed, writes still in flight; SENT: the last write has landed)::
 
-    QUEUED -> PREFILLING -> SENT -> RELEASED
-    QUEUED | PREFILLING -> FAILED -> RELEASED;  any state -> RELEASED (cancelled)
+    QUEUED -> PREFILLING -> SENDING -> SENT -> RELEASED
+    QUEUED | PREFILLING | SENDING -> FAILED -> RELEASED;  any state -> RELEASED (cancelled)
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class DecodeState(str, enum.Enum):
 class PrefillState(str, enum.Enum):
     QUEUED = "queued"
     PREFILLING = "prefilling"
+    SENDING = "sending"
     SENT = "sent"
     FAILED = "failed"
     RELEASED = "released"
@@ -55,7 +57,8 @@ DECODE_TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
 _P = PrefillState
 PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
     _P.QUEUED: frozenset({_P.PREFILLING, _P.FAILED, _P.RELEASED}),
-    _P.PREFILLING: frozenset({_P.SENT, _P.FAILED, _P.RELEASED}),
+    _P.PREFILLING: frozenset({_P.SENDING, _P.FAILED, _P.RELEASED}),
+    _P.SENDING: frozenset({_P.SENT, _P.FAILED, _P.RELEASED}),
     _P.SENT: frozenset({_P.RELEASED}),
     _P.FAILED: frozenset({_P.RELEASED}),
     _P.RELEASED: frozenset(),

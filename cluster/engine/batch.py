@@ -42,15 +42,14 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, 
     total = int(query_start[-1])
     ids = np.empty(total, dtype=np.int64)
     for s, begin in zip(scheduled, query_start[:-1].tolist()):
-        c, n = s.num_computed_tokens, s.num_new_tokens
-        known = s.request.all_token_ids[c:c + n]
+        known, n = s.token_ids, s.num_new_tokens
         ids[begin:begin + len(known)] = known
         ids[begin + len(known):begin + n] = 0  # sampled by the step in flight: filled on the device
     seq_index = np.repeat(np.arange(len(scheduled)), counts)
     positions = starts[seq_index] + (np.arange(total) - query_start[:-1][seq_index])
     tables, slots = [], []
     for g, spec in enumerate(specs):
-        rows = [block_tables[s.request.request_id][g] for s in scheduled]
+        rows = [block_tables[s.request_id][g] for s in scheduled]
         width = max(1, max((len(r) for r in rows), default=1))
         table = np.zeros((len(rows), width), dtype=np.int32)
         for i, r in enumerate(rows):
@@ -61,7 +60,7 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, 
             slots.append(blocks * spec.block_size + positions % spec.block_size)
         else:
             slots.append(None)
-    sample_rows = [(int(query_start[i + 1]) - 1, s) for i, s in enumerate(scheduled) if s.samples]
+    sample_rows = [(int(query_start[i + 1]) - 1, s) for i, s in enumerate(scheduled) if s.sampling]
     return HostBatch(ids, positions, query_start, (starts + counts).astype(np.int32), tables, slots, sample_rows)
 
 

@@ -213,6 +213,15 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request_id, None)
         return self.tables.pop(request_id, None) or []
 
+    def pin(self, request_id: str) -> list[list[int]]:
+        """The request's block tables now (null entries included), with a reference on every
+        block kept until ``free_blocks`` of the returned tables: the blocks can be read (a KV send off the engine
+        thread) after the request frees them, skips them behind a window, or is preempted."""
+        tables = [list(blocks) for blocks in self.tables.get(request_id, ())]
+        for g, blocks in enumerate(tables):
+            self.pools[g].touch([b for b in blocks if b != NULL_BLOCK])
+        return tables
+
     def free_blocks(self, tables: list[list[int]]) -> None:
         for g, blocks in enumerate(tables):
             self.pools[g].free(blocks[::-1])

@@ -1,6 +1,7 @@
 """ModelRunner: owns the model, the KV storage tensors and the sampler on one device. Each step it
-turns a SchedulerOutput into the batch's inputs (token ids, positions, per-group block tables and
-slot mappings), runs the model, and samples the rows whose chunk reached the end of the request."""
+turns a SchedulerOutput (its only input: no live request is read here) into the batch's inputs
+(token ids, positions, per-group block tables and slot mappings), runs the model, and samples the
+rows whose chunk reached the end of the request."""
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,7 @@ from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
 from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
 from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, GraphUnsafeError
-from cluster.engine.request import Request
-from cluster.engine.sampler import Sampler, SamplingRow, to_device
+from cluster.engine.sampler import Sampler, to_device
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from cluster.models.context import ForwardContext
 
@@ -95,33 +95,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Run the step and sample: each request whose chunk reaches its end, and its
-        ``sched.forks`` (a request's other samples, drawn from the same logits row, each with its
-        own seed and sample index)."""
+        """Run the step and sample the rows each sampling chunk names (``ScheduledRequest.sampling``:
+        the request, and the other samples that draw their first token from the same logits row,
+        each with its own seed and sample index)."""
         hidden, sample_rows = self.forward(sched)
         out = RunnerOutput()
         if not sample_rows:
             return out
-        forks = sched.forks
-        if forks:
-            sample_rows = [(row, r) for row, s in sample_rows
-                           for r in (s.request, *forks.get(s.request.request_id, ()))]
-        else:
-            sample_rows = [(row, s.request) for row, s in sample_rows]
-        logits = self.model.compute_logits(self._sampled_hidden(hidden, sample_rows))  # [N, V]
-        requests = [r for _, r in sample_rows]
-        tokens, logprobs = self.sampler(logits, [self._sampling_row(r) for r in requests])
-        for r, token, lp in zip(requests, tokens, logprobs):
-            out.sampled[r.request_id] = token
-            out.logprobs[r.request_id] = lp
+        rows = [(row, rid, srow) for row, s in sample_rows for rid, srow in s.sampling]
+        logits = self.model.compute_logits(self._sampled_hidden(hidden, [row for row, _, _ in rows]))  # [N, V]
+        tokens, logprobs = self.sampler(logits, [srow for _, _, srow in rows])
+        for (_, rid, _), token, lp in zip(rows, tokens, logprobs):
+            out.sampled[rid] = token
+            out.logprobs[rid] = lp
         return out
 
     def can_launch(self, sched: SchedulerOutput) -> bool:
-        """Whether ``launch`` can run this step: every request decodes one token and samples it,
-        within the captured graphs."""
+        """Whether ``launch`` can run this step: every request decodes one token and samples it
+        (alone), within the captured graphs."""
         limit = self.graphs.max_batch if self.graphs is not None else len(sched.scheduled)
         return (0 < len(sched.scheduled) <= limit
-                and all(s.num_new_tokens == 1 and s.samples_with_pending for s in sched.scheduled))
+                and all(s.num_new_tokens == 1 and len(s.sampling) == 1 for s in sched.scheduled))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, token_rows: dict[str, int], previous: torch.Tensor | None) -> torch.Tensor:
@@ -131,7 +125,7 @@ class ModelRunner:
         batch = build_host_batch(sched.scheduled, sched.block_tables, self.specs)
         source = None
         if token_rows and previous is not None:
-            rows = np.array([token_rows.get(s.request.request_id, -1) for s in sched.scheduled], dtype=np.int64)
+            rows = np.array([token_rows.get(s.request_id, -1) for s in sched.scheduled], dtype=np.int64)
             source = (rows, previous)
         if self.graphs is not None:
             hidden = self.graphs.run(batch, source)
@@ -141,7 +135,7 @@ class ModelRunner:
                 input_ids = take_pending_tokens(input_ids, torch.from_numpy(source[0]).to(self.device), source[1])
             hidden = self.model(input_ids, ctx)
         logits = self.model.compute_logits(hidden)  # decode-only: row i is sequence i
-        return self.sampler.sample_tokens(logits, [self._sampling_row(s.request) for s in sched.scheduled])
+        return self.sampler.sample_tokens(logits, [s.sampling[0][1] for s in sched.scheduled])
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:
@@ -153,22 +147,10 @@ class ModelRunner:
                 raw = cache.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[cache.element_size()])
                 raw.index_copy_(0, dst, raw.index_select(0, src))  # as integers: fp8 has no index_copy
 
-    def _sampled_hidden(self, hidden: torch.Tensor, sample_rows: list[tuple[int, Request]]) -> torch.Tensor:
-        rows = [row for row, _ in sample_rows]
+    def _sampled_hidden(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if rows == list(range(hidden.shape[0])):  # decode-only: every row, in order
             return hidden
         return hidden.index_select(0, to_device(rows, torch.long, self.device))
-
-    def _sampling_row(self, r: Request) -> SamplingRow:
-        return SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, self._banned(r),
-                           r.sample_index, r.num_pending)
-
-    @staticmethod
-    def _banned(request: Request) -> tuple[int, ...]:
-        p = request.sampling_params
-        if request.num_output_tokens + request.num_pending >= p.min_tokens:
-            return ()
-        return tuple(p.stop_token_ids) + (() if p.ignore_eos else request.eos_token_ids)
 
     def _context(self, batch: HostBatch) -> tuple[ForwardContext, torch.Tensor]:
         dev = self.device

@@ -6,7 +6,7 @@ thread between steps (AsyncEngine), so the engine stays single-threaded, and not
 ``StepReport``: what the step computed, and the few reads and the abort a hook may need.
 
     intake      make_group (validate, tokenize; raises InvalidRequestError), add, generate, abort
-    remote KV   reserve_remote, finish_remote, fail_remote (decode role); release (prefill role)
+    remote KV   reserve_remote, finish_remote, fail_remote (decode role); release, unpin (prefill role)
     reporting   stats (gauges and counters), backends, info (fixed at start-up)
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from cluster.common.errors import ErrorKind
 from cluster.common.kv_spec import KVGroupSpec
@@ -55,13 +57,31 @@ class ScheduledWork:
 
 
 class StepReport:
-    """What the last step computed, handed to a post-step hook in the engine thread (the blocks
-    it names are valid until the hook returns)."""
+    """What the last step computed, handed to a post-step hook in the engine thread. The blocks
+    ``block_tables`` names are valid until the hook returns; those ``pin`` names stay valid, in
+    any thread, until ``EnginePort.unpin`` (read them once ``ready`` has completed)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
         self.work = [ScheduledWork(rid, start, start + n) for rid, start, n in engine.last_step]
         self.kv_specs = engine.kv_specs
+        self._ready: torch.cuda.Event | None = None
+
+    @property
+    def ready(self) -> torch.cuda.Event | None:
+        """An event on the engine's stream after this step (None on a CPU): the step's KV writes
+        are complete once it has (``synchronize()`` it in the thread that reads them)."""
+        if self._ready is None and self._engine.device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(self._engine.device))
+        return self._ready
+
+    def pin(self, request_id: str) -> list[list[int]] | None:
+        """The request's block tables, per KV group, with every block kept allocated (not reused,
+        whatever happens to the request) until ``EnginePort.unpin`` of these tables; None once its
+        blocks are gone."""
+        kv = self._engine.kv
+        return kv.pin(request_id) if request_id in kv.tables else None
 
     def num_prompt_tokens(self, request_id: str) -> int | None:
         request = self._engine.scheduler.requests.get(request_id)
@@ -138,8 +158,13 @@ class EnginePort:
         await self._loop.run(lambda e: e.fail_remote_prefill(request_id, reason, fallback))
 
     def release(self, request_id: str) -> None:
-        """Prefill role: free a finished request's held blocks (its KV has been sent)."""
+        """Prefill role: free a finished request's held blocks (its KV has been sent, or writes
+        still in flight hold pins on the blocks they read)."""
         self._loop.submit(lambda e: e.scheduler.release(request_id))
+
+    def unpin(self, tables: list[list[int]]) -> None:
+        """Drop the references ``StepReport.pin`` took (fire and forget, from any thread)."""
+        self._loop.submit(lambda e: e.kv.free_blocks(tables))
 
     # --- reporting ------------------------------------------------------------------------------------
 

@@ -14,20 +14,33 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cluster.common.errors import ErrorKind, InvalidRequestError, OverloadedError
 from cluster.config import SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.request import Request, RequestStatus
+from cluster.engine.sampler import SamplingRow
 
 
 @dataclass
 class ScheduledRequest:
+    """One request's share of a step. ``request`` is the engine's side; the runner reads only the
+    fields after it, which the engine fills right before the step runs (``StepLoop._inputs``)."""
+
     request: Request
     #: Tokens computed before this step (the start of this step's chunk).
     num_computed_tokens: int
     num_new_tokens: int
+    request_id: str = ""
+    #: This step's input tokens known on the host: ``num_new_tokens`` of them, or fewer when the
+    #: last is being sampled by the step in flight (pipelined decode: taken on the device).
+    token_ids: Sequence[int] = ()
+    #: The rows to sample from this chunk's last position, when it reaches the end of the
+    #: request: (request id, what to sample with) for the request, then for each sample that
+    #: takes its first token from the same logits (a request's other samples).
+    sampling: Sequence[tuple[str, SamplingRow]] = ()
 
     @property
     def samples(self) -> bool:
@@ -42,14 +55,12 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """The whole contract between scheduler and model runner for one step."""
+    """The whole contract between scheduler and model runner for one step: the runner reads
+    nothing else (no live request)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     #: Per scheduled request, its block table in every KV group, covering this step's tokens.
     block_tables: dict[str, list[list[int]]] = field(default_factory=dict)
-    #: Requests that take a first token from another's row too (a request's other samples,
-    #: drawn from sample 0's prompt logits): set by the engine before the step runs.
-    forks: dict[str, list[Request]] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     #: Requests the scheduler ended this step (one that can never get its blocks): the engine
     #: reports them.
@@ -126,6 +137,21 @@ class Scheduler:
         self.running.append(request)
         return request
 
+    def requeue_remote(self, request_id: str) -> tuple[Request, list[list[int]]] | None:
+        """Decode role: the remote prefill failed and the prompt is prefilled here instead: the
+        request leaves the receiving set for the front of the queue, computing from scratch.
+        Returns it and its reserved blocks, detached (a late write may still land in them: the
+        caller keeps them unused for a while); None if it is not receiving."""
+        request = self.receiving.pop(request_id, None)
+        if request is None:
+            return None
+        tables = self.kv.detach(request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = -1
+        self.waiting.appendleft(request)
+        return request, tables
+
     def fork(self, parent: Request, child: Request) -> list[list[tuple[int, int]]] | None:
         """Another sample of ``parent``'s request joins the batch with the KV of its computed
         prompt (see ``KVCacheManager.fork``; the caller copies the returned blocks). None, with
@@ -167,13 +193,13 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            out.scheduled.append(ScheduledRequest(request, c, n))
+            out.scheduled.append(ScheduledRequest(request, c, n, request.request_id))
             budget -= n
             if budget == 0:
                 break
         if not preempted_now:
             self._admit_waiting(out, budget)
-        out.block_tables = {s.request.request_id: self.kv.block_tables(s.request.request_id) for s in out.scheduled}
+        out.block_tables = {s.request_id: self.kv.block_tables(s.request_id) for s in out.scheduled}
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -205,7 +231,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = request.first_scheduled_time or now
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, c, n))
+            out.scheduled.append(ScheduledRequest(request, c, n, request.request_id))
             budget -= n
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

@@ -9,11 +9,14 @@ block) per group, marking the request's last write. A cached connection whose ge
 stale is dropped and renegotiated, never used.
 
 Senders block until the bytes are in the receiver's memory (or raise KVTransferError); a
-receiver's ``wait_received`` returns once a request's last write has landed."""
+receiver's ``wait_received`` returns once a request's last write has landed. ``send`` may be
+called from several threads at once for different receivers (the prefill worker runs a sender
+thread per decode worker); writes to one receiver come from one thread, in order."""
 from __future__ import annotations
 
 import abc
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -103,6 +106,7 @@ class KVTransferBackend(abc.ABC):
         self.generation = uuid.uuid4().hex
         self.layout = KVLayout.of(kv_caches, specs)
         self.stats = TransferStats()
+        self._stats_lock = threading.Lock()
         #: Test hook: fail this many upcoming sends.
         self.inject_failures = 0
 
@@ -139,22 +143,28 @@ class KVTransferBackend(abc.ABC):
         copies = [c for c in copies if c.num_blocks]
         start = time.perf_counter()
         try:
-            if self.inject_failures > 0:
-                self.inject_failures -= 1
+            with self._stats_lock:
+                inject, self.inject_failures = self.inject_failures > 0, max(0, self.inject_failures - 1)
+            if inject:
                 raise KVTransferError("injected transfer failure")
             moved = self._send(dest, request_key, copies, last)
         except KVTransferError:
-            self.stats.failures_total += 1
+            self._count_failure()
             self._drop_peer(dest)
             raise
         except Exception as exc:  # noqa: BLE001 - any backend failure is a transfer failure
-            self.stats.failures_total += 1
+            self._count_failure()
             self._drop_peer(dest)
             raise KVTransferError(f"{self.name} transfer to {dest.engine_id} failed: {exc}") from exc
-        self.stats.bytes_total += moved
-        self.stats.seconds_total += time.perf_counter() - start
-        self.stats.count += 1
+        with self._stats_lock:
+            self.stats.bytes_total += moved
+            self.stats.seconds_total += time.perf_counter() - start
+            self.stats.count += 1
         return moved
+
+    def _count_failure(self) -> None:
+        with self._stats_lock:
+            self.stats.failures_total += 1
 
     @abc.abstractmethod
     def _send(self, dest: TransferEndpoint, request_key: str, copies: list[BlockCopy], last: bool) -> int: ...

@@ -2,7 +2,8 @@
 storage once through CUDA IPC handles (torch's ``reduce_tensor``) and the sender maps it and copies
 blocks on its own stream; between CPU processes the receiver's KV storage lives in POSIX shared
 memory segments that the sender maps by name. Either way a send is a direct device-to-device (or
-memory-to-memory) indexed copy, complete when ``send`` returns."""
+memory-to-memory) indexed copy, complete when ``send`` returns. Each sending thread copies on a
+stream of its own, after the stream that computed the KV."""
 from __future__ import annotations
 
 import hashlib
@@ -11,6 +12,7 @@ import math
 import os
 import re
 import socket
+import threading
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -95,7 +97,7 @@ class IPCBackend(KVTransferBackend):
         super().__init__(kv_caches, specs, engine_id, node_id)
         self._segments = shm_segments or []
         self._peers = PeerCache()
-        self._stream = torch.cuda.Stream(kv_caches[0].device) if kv_caches[0].is_cuda else None
+        self._streams = threading.local()  # one copy stream per sending thread
 
     @classmethod
     def allocate_shared(cls, specs: list[KVGroupSpec], num_blocks: list[int], device: torch.device,
@@ -140,11 +142,15 @@ class IPCBackend(KVTransferBackend):
             raise KVTransferError(f"ipc needs one host: receiver on {dest.node_id}, sender on {self.node_id}")
         peer = self._peers.get(dest, self._connect)
         remote = peer if "cuda" in dest.info else peer[0]
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-            with torch.cuda.stream(self._stream):
+        device = self.kv_caches[0].device
+        if device.type == "cuda":
+            stream = getattr(self._streams, "stream", None)
+            if stream is None:
+                stream = self._streams.stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.default_stream(device))
+            with torch.cuda.stream(stream):
                 self._copy(remote, copies)
-            self._stream.synchronize()
+            stream.synchronize()
         else:
             self._copy(remote, copies)
         return self.block_bytes(copies)

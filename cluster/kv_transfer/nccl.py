@@ -59,7 +59,9 @@ class NCCLBackend(KVTransferBackend):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._peers = PeerCache()
-        self._send_lock = threading.Lock()
+        #: One lock per receiver: each pair's messages go out whole and in order, and a slow
+        #: pair does not hold up the others' sending threads.
+        self._send_locks: dict[str, threading.Lock] = {}
         threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
 
     def _endpoint_info(self) -> dict[str, Any]:
@@ -143,8 +145,12 @@ class NCCLBackend(KVTransferBackend):
         store.set(f"pair/{k}", self.engine_id)
         return _make_group(dist.PrefixStore(f"pg/{k}", store), 1, self.device, self.timeout_s), store, k
 
+    def _peer_lock(self, engine_id: str) -> threading.Lock:
+        with self._lock:
+            return self._send_locks.setdefault(engine_id, threading.Lock())
+
     def _send(self, dest: TransferEndpoint, request_key: str, copies: list[BlockCopy], last: bool) -> int:
-        with self._send_lock:
+        with self._peer_lock(dest.engine_id):
             group, store, k = self._peers.get(dest, self._connect)
             key = torch.tensor(list(request_key.encode()), dtype=torch.uint8, device=self.device)
             header = torch.tensor([_DATA, key.numel(), len(copies), int(last)], dtype=torch.int64, device=self.device)
@@ -164,7 +170,11 @@ class NCCLBackend(KVTransferBackend):
 
     def close(self) -> None:
         self._closed.set()
-        with self._send_lock:
+        with self._lock:
+            locks = list(self._send_locks.values())
+        for lock in locks:
+            lock.acquire()
+        try:
             for group, store, k in self._peers.values():
                 try:
                     bye = torch.tensor([_BYE, 0, 0, 0], dtype=torch.int64, device=self.device)
@@ -172,4 +182,7 @@ class NCCLBackend(KVTransferBackend):
                     group.send([bye], 0, 0).wait()
                 except Exception:  # noqa: BLE001 - the receiver is gone already
                     pass
+        finally:
+            for lock in locks:
+                lock.release()
 

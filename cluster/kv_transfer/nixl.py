@@ -50,6 +50,7 @@ class NIXLBackend(KVTransferBackend):
         self._peers = PeerCache()
         self._notified: set[str] = set()
         self._lock = threading.Lock()
+        self._agent_lock = threading.RLock()
 
     def _endpoint_info(self) -> dict[str, Any]:
         return {
@@ -86,7 +87,10 @@ class NIXLBackend(KVTransferBackend):
         return name.decode() if isinstance(name, bytes) else str(name)
 
     def _send(self, dest: TransferEndpoint, request_key: str, copies: list[BlockCopy], last: bool) -> int:
-        remote = self._peers.get(dest, self._connect)
+        # Agent calls are serialised (sending threads, one per receiver, share the agent); the
+        # wait for a transfer to finish polls between calls, so the others' go on meanwhile.
+        with self._agent_lock:
+            remote = self._peers.get(dest, self._connect)
         src, dst = [], []
         for c in copies:
             row = self.layout.groups[c.group].block_bytes
@@ -96,18 +100,23 @@ class NIXLBackend(KVTransferBackend):
         if not src and not last:
             return 0
         if not src:  # nothing left to move, but the receiver still needs the notification
-            self.agent.send_notif(remote, request_key.encode())
+            with self._agent_lock:
+                self.agent.send_notif(remote, request_key.encode())
             return 0
-        src_descs = self.agent.get_xfer_descs(src, self.mem_type)
-        dst_descs = self.agent.get_xfer_descs(dst, dest.info["mem"])
         notif = request_key.encode() if last else b""
-        handle = self.agent.initialize_xfer("WRITE", src_descs, dst_descs, remote, notif)
+        with self._agent_lock:
+            src_descs = self.agent.get_xfer_descs(src, self.mem_type)
+            dst_descs = self.agent.get_xfer_descs(dst, dest.info["mem"])
+            handle = self.agent.initialize_xfer("WRITE", src_descs, dst_descs, remote, notif)
         try:
-            if self.agent.transfer(handle) == "ERR":
+            with self._agent_lock:
+                started = self.agent.transfer(handle)
+            if started == "ERR":
                 raise KVTransferError("NIXL transfer failed to start")
             deadline = time.monotonic() + self.timeout_s
             while True:
-                state = self.agent.check_xfer_state(handle)
+                with self._agent_lock:
+                    state = self.agent.check_xfer_state(handle)
                 if state == "DONE":
                     break
                 if state == "ERR":
@@ -115,14 +124,17 @@ class NIXLBackend(KVTransferBackend):
                 if time.monotonic() > deadline:
                     raise KVTransferError(f"NIXL transfer did not finish within {self.timeout_s:.1f}s")
         finally:
-            self.agent.release_xfer_handle(handle)
+            with self._agent_lock:
+                self.agent.release_xfer_handle(handle)
         return self.block_bytes(copies)
 
     def _drop_peer(self, dest: TransferEndpoint) -> None:
-        name = self._peers.drop(dest.engine_id)
+        with self._agent_lock:
+            name = self._peers.drop(dest.engine_id)
         if name is not None:
             try:
-                self.agent.remove_remote_agent(name)
+                with self._agent_lock:
+                    self.agent.remove_remote_agent(name)
             except Exception:  # noqa: BLE001 - already gone
                 pass
 

@@ -1,19 +1,24 @@
 """PrefillWorker: the prefill role without Ray. It prefills prompts (chunked and batched by the
 shared scheduler), writes each step's KV blocks into the decode worker's reserved blocks as soon
-as the step is done, and returns the first token.
+as the step is done, and returns the first token once the last write has landed.
+
+The writes run off the engine thread (``cluster.prefill.sender``): after each step the engine
+thread pins the blocks the step wrote and queues their write; a sender thread per decode worker
+moves them, so a slow peer delays only its own requests and never the prefill of the others.
 
 A request's states here (``cluster.common.lifecycle.PrefillState``, legal moves only, a gauge per
-state): QUEUED (waiting in the scheduler) -> PREFILLING (chunks computed, each followed by a
-write) -> SENT (last write done, first token known) -> RELEASED (blocks freed).
-A failed write ends the request with KVTransferError; cancellation (the decode side gave up) or
-the request's deadline aborts it; every path frees its blocks."""
+state): QUEUED (waiting in the scheduler) -> PREFILLING (chunks computed, each chunk's write
+queued) -> SENDING (prompt computed, first token known, writes in flight) -> SENT (last write
+landed) -> RELEASED (blocks freed). A failed write ends the request with KVTransferError;
+cancellation (the decode side gave up) or the request's deadline aborts it; every path frees its
+blocks, and a write in flight keeps the blocks it reads until it is done."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 from cluster.common.errors import ClusterError, ErrorKind, KVTransferError, RequestTimeoutError
 from cluster.common.lifecycle import PREFILL_TRANSITIONS, Lifecycles, PrefillState
@@ -24,19 +29,9 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.port import EnginePort, StepReport
 from cluster.kv_transfer import KVStorage, KVTransferBackend
 from cluster.kv_transfer.plan import plan_block_copies
+from cluster.prefill.sender import KVSender, PrefillJob, SendTask
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefillJob:
-    prefill: PrefillRequest
-    #: Tokens whose blocks have been written to the decode worker.
-    written_upto: int
-    bytes_sent: int = 0
-    transfer_s: float = 0.0
-    cancelled: bool = False
-    error: Exception | None = None
 
 
 class PrefillWorker:
@@ -54,6 +49,8 @@ class PrefillWorker:
         #: Every request's state here (cluster.common.lifecycle), a gauge per state in /metrics.
         self.lifecycle: Lifecycles[PrefillState] = Lifecycles(PREFILL_TRANSITIONS, PrefillState.RELEASED)
         self.engine = EnginePort(engine, post_step=self._write_step)
+        self.sender = KVSender(self.backend, self.engine.unpin, self._write_failed, self._write_landed)
+        self.transfer_timeout_s = config.transfer.timeout_s
 
     # --- the request --------------------------------------------------------------------------
 
@@ -66,7 +63,7 @@ class PrefillWorker:
         request = group.samples[0]
         rid = request.request_id  # the transfer key, "#0" appended when n > 1
         request.hold_blocks_on_finish = True
-        job = PrefillJob(req, written_upto=req.skip_tokens)
+        job = PrefillJob(req, rid, queued_upto=req.skip_tokens, written_upto=req.skip_tokens)
         self.lifecycle.start(rid, PrefillState.QUEUED, request.deadline)
         with self._jobs_lock:
             self._jobs[rid] = job
@@ -84,6 +81,7 @@ class PrefillWorker:
                 if final.error_kind is ErrorKind.DEADLINE:
                     raise RequestTimeoutError("the request's deadline passed during prefill")
                 raise ClusterError(f"prefill failed: {final.error or completion.finish_reason}")
+            await self._landed(rid, job, request.deadline)
             timings = {
                 "prefill_queue": (request.first_scheduled_time or request.arrival_time) - request.arrival_time,
                 "prefill_compute": (request.first_token_time or time.monotonic())
@@ -107,40 +105,67 @@ class PrefillWorker:
             self.lifecycle.end(rid)
             self.engine.release(rid)
 
+    async def _landed(self, rid: str, job: PrefillJob, deadline: float | None) -> None:
+        """Wait for the request's last write (queued by the step that computed the prompt's end)."""
+        wait_s = self.transfer_timeout_s
+        if deadline is not None:
+            wait_s = min(wait_s, max(0.0, deadline - time.monotonic()))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(job.landed), wait_s)
+        except asyncio.TimeoutError:
+            self._failed(rid)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RequestTimeoutError("the request's deadline passed while its KV was being written") from None
+            raise KVTransferError(f"the KV writes of {rid} did not land within {wait_s:.1f}s") from None
+        except KVTransferError:
+            self._failed(rid)
+            raise
+
     def _failed(self, rid: str) -> None:
-        for expected in (PrefillState.QUEUED, PrefillState.PREFILLING):
+        for expected in (PrefillState.QUEUED, PrefillState.PREFILLING, PrefillState.SENDING):
             self.lifecycle.advance(rid, expected, PrefillState.FAILED)
 
     # --- runs in the engine thread after every step -----------------------------------------------
 
     def _write_step(self, report: StepReport) -> None:
+        """Queue the step's writes: per request, the blocks its tokens ``[queued_upto, end)``
+        wrote, pinned until the sender has written them."""
         for work in report.work:
             rid, end = work.request_id, work.end
             with self._jobs_lock:
                 job = self._jobs.get(rid)
             if job is None or job.cancelled or job.error is not None:
                 continue
-            tables, num_prompt = report.block_tables(rid), report.num_prompt_tokens(rid)
-            if tables is None or num_prompt is None or end <= job.written_upto:
+            num_prompt = report.num_prompt_tokens(rid)
+            if num_prompt is None or end <= job.queued_upto:
+                continue
+            pinned = report.pin(rid)
+            if pinned is None:
                 continue
             last = end >= num_prompt
             self.lifecycle.advance(rid, PrefillState.QUEUED, PrefillState.PREFILLING)
-            start = time.perf_counter()
             try:
-                copies = plan_block_copies(report.kv_specs, tables,
-                                           job.prefill.dest_block_tables, job.written_upto, end)
-                job.bytes_sent += self.backend.send(job.prefill.dest, job.prefill.transfer_key, copies, last)
-            except Exception as exc:  # noqa: BLE001 - one request's bad write fails it, not the engine loop
-                error = exc if isinstance(exc, KVTransferError) else KVTransferError(
-                    f"KV write for {rid} failed: {exc!r}")
-                logger.warning("KV write for %s failed: %s", rid, error)
-                job.error = error
+                copies = plan_block_copies(report.kv_specs, pinned, job.prefill.dest_block_tables,
+                                           job.queued_upto, end)
+            except Exception as exc:  # noqa: BLE001 - a malformed request fails alone, not the engine loop
+                self.engine.unpin(pinned)
+                error = KVTransferError(f"KV write for {job.prefill.transfer_key} failed: {exc!r}")
+                logger.warning("%s", error)
+                job.fail(error)
                 report.abort(job.prefill.transfer_key, str(error), ErrorKind.KV_TRANSFER)
                 continue
-            job.transfer_s += time.perf_counter() - start
-            job.written_upto = end
+            job.queued_upto = end
             if last:
-                self.lifecycle.advance(rid, PrefillState.PREFILLING, PrefillState.SENT)
+                self.lifecycle.advance(rid, PrefillState.PREFILLING, PrefillState.SENDING)
+            self.sender.submit(SendTask(job, copies, end, last, pinned, report.ready))
+
+    # --- runs in a sender thread --------------------------------------------------------------------
+
+    def _write_failed(self, job: PrefillJob, error: KVTransferError) -> None:
+        self.engine.abort(job.prefill.transfer_key)  # stop computing it; prefill() raises ``error``
+
+    def _write_landed(self, job: PrefillJob) -> None:
+        self.lifecycle.advance(job.request_id, PrefillState.SENDING, PrefillState.SENT)
 
     # --- introspection ------------------------------------------------------------------------------
 
@@ -148,8 +173,10 @@ class PrefillWorker:
         stats = await self.engine.stats()
         return replica_stats("prefill", replica_id, stats.gauges, self.backend.stats,
                              {"prefill_requests_total": float(self.prefills_completed), **stats.counters,
-                              **self.lifecycle.gauges("prefill_requests")})
+                              **self.lifecycle.gauges("prefill_requests"),
+                              "kv_writes_in_flight": float(self.sender.queued())})
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.sender.close()
         self.backend.close()

@@ -40,6 +40,9 @@ def test_prefill_lifecycle_and_gauges():
     lc.move("p", PrefillState.PREFILLING)
     with pytest.raises(IllegalTransition):
         lc.move("p", PrefillState.QUEUED)
+    with pytest.raises(IllegalTransition):
+        lc.move("p", PrefillState.SENT)  # the writes are in flight first
+    lc.move("p", PrefillState.SENDING)
     lc.move("p", PrefillState.SENT)
     with pytest.raises(IllegalTransition):
         lc.move("p", PrefillState.FAILED)  # sent is sent
@@ -48,7 +51,8 @@ def test_prefill_lifecycle_and_gauges():
     lc.end("p")
     assert [(a, b) for _, a, b in lc.history] == [
         (None, PrefillState.QUEUED), (PrefillState.QUEUED, PrefillState.PREFILLING),
-        (PrefillState.PREFILLING, PrefillState.SENT), (PrefillState.SENT, PrefillState.RELEASED)]
+        (PrefillState.PREFILLING, PrefillState.SENDING), (PrefillState.SENDING, PrefillState.SENT),
+        (PrefillState.SENT, PrefillState.RELEASED)]
     # every state reaches the final one
     for transitions, final in ((DECODE_TRANSITIONS, DecodeState.DONE), (PREFILL_TRANSITIONS, PrefillState.RELEASED)):
         for state, nexts in transitions.items():

@@ -104,7 +104,7 @@ def test_disaggregated_equals_colocated(model_dir, sampling):
         # every request went through each role's lifecycle, in order, and left no record
         assert paths(decode.lifecycle.history) == {(D.WAITING_FOR_BLOCKS, D.REMOTE_PREFILL, D.RECEIVING,
                                                     D.DECODING, D.DONE)}
-        assert paths(prefill.lifecycle.history) == {(P.QUEUED, P.PREFILLING, P.SENT, P.RELEASED)}
+        assert paths(prefill.lifecycle.history) == {(P.QUEUED, P.PREFILLING, P.SENDING, P.SENT, P.RELEASED)}
         assert not any(decode.lifecycle.counts().values()) and not any(prefill.lifecycle.counts().values())
     finally:
         prefill.shutdown()
@@ -347,4 +347,109 @@ def test_requests_wait_their_turn_for_decode_kv_held_by_reservations(model_dir):
         wait_blocks_back(decode)
         assert not decode.engine.engine.groups
     finally:
+        decode.shutdown()
+
+
+def test_a_slow_decode_peer_delays_only_its_own_requests(model_dir):
+    """KV writes run off the prefill engine thread, a sender thread per decode worker: while every
+    write to one decode worker is stuck, the prefill engine goes on prefilling and another decode
+    worker's requests complete (same tokens as colocated); the stuck request's blocks stay pinned
+    on the prefill side even after the request is released there, and everything comes back
+    once the peer answers."""
+    import threading
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = mixed_prompts(300, (9, 17, 26, 33, 41, 12), seed=21)
+    expected = [o.outputs[0].token_ids for o in LLM(model_dir, block_size=4).generate(prompts, params)]
+    config = parse_cluster_args({"model": model_dir, "kv_transfer": "local", "block_size": 4,
+                                 "max_num_batched_tokens": 16}, use_env=False)
+    prefill = PrefillWorker(config, engine_id=f"p-{uuid.uuid4().hex[:6]}")
+    fast = DecodeWorker(config, engine_id=f"fast-{uuid.uuid4().hex[:6]}", prefill_fn=prefill.prefill)
+    slow = DecodeWorker(config, engine_id=f"slow-{uuid.uuid4().hex[:6]}", prefill_fn=prefill.prefill)
+    gate, stuck = threading.Event(), threading.Event()
+    real_send = prefill.backend._send
+
+    def gated_send(dest, key, copies, last):
+        if dest.engine_id == slow.engine_id:
+            stuck.set()
+            assert gate.wait(20), "the test never opened the gate"
+        return real_send(dest, key, copies, last)
+    prefill.backend._send = gated_send
+    prefill.lifecycle.history = []
+    try:
+        async def go():
+            slow_task = asyncio.ensure_future(collect(slow, GenerateRequest("slow", prompts[0], params)))
+            while not stuck.is_set():
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            got = await asyncio.gather(*(collect(fast, GenerateRequest(f"f{i}", p, params))
+                                         for i, p in enumerate(prompts[1:])))
+            fast_s = time.monotonic() - start
+            assert not slow_task.done()  # still waiting for its first write
+            assert prefill.sender.queued() >= 1
+            stuck_state = {state for state, n in prefill.lifecycle.counts().items() if n}
+            gate.set()
+            return got, fast_s, await slow_task, stuck_state
+        got, fast_s, slow_tokens, stuck_state = asyncio.run(go())
+        assert got == expected[1:] and slow_tokens == expected[0]
+        assert fast_s < 10.0
+        assert stuck_state == {P.SENDING}  # the slow request: computed, its write in flight
+        assert prefill.engine.dead is None and fast.remote_prefill_failures == 0
+        assert slow.remote_prefill_failures == 0
+        wait_blocks_back(fast)
+        wait_blocks_back(slow)
+        deadline = time.monotonic() + 5
+        while prefill.engine.engine.kv.usage > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert prefill.engine.engine.kv.usage == 0.0
+        assert paths(prefill.lifecycle.history) == {(P.QUEUED, P.PREFILLING, P.SENDING, P.SENT, P.RELEASED)}
+    finally:
+        gate.set()
+        prefill.shutdown()
+        fast.shutdown()
+        slow.shutdown()
+
+
+def test_writes_in_flight_keep_their_blocks_after_the_request_is_gone(model_dir):
+    """A decode caller that gives up while its KV write is stuck: the prefill worker releases the
+    request at once, but the blocks the write reads stay allocated (pinned) until the write is
+    done, then every block is free."""
+    import threading
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = mixed_prompts(300, (37,), seed=5)[0]
+    prefill, decode = make_pair(model_dir, remote_kv_grace_s=0.1)
+    gate, stuck = threading.Event(), threading.Event()
+    real_send = prefill.backend._send
+
+    def gated_send(dest, key, copies, last):
+        stuck.set()
+        assert gate.wait(20), "the test never opened the gate"
+        return real_send(dest, key, copies, last)
+    prefill.backend._send = gated_send
+    try:
+        async def go():
+            task = asyncio.ensure_future(collect(decode, GenerateRequest("gone", prompt, params)))
+            while not stuck.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the prefill goes on while the first write is stuck
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            for _ in range(100):  # the prefill side ends the request
+                if not any(prefill.lifecycle.counts().values()):
+                    break
+                await asyncio.sleep(0.02)
+            assert not any(prefill.lifecycle.counts().values())
+            pinned = await prefill.engine.call(lambda e: (e.kv.usage, "gone" in e.kv.tables))
+            gate.set()
+            return pinned
+        (usage, still_owned) = asyncio.run(go())
+        assert usage > 0 and not still_owned  # released, yet its blocks are held by the write
+        deadline = time.monotonic() + 5
+        while prefill.engine.engine.kv.usage > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert prefill.engine.engine.kv.usage == 0.0
+        wait_blocks_back(decode)
+        assert prefill.engine.dead is None and decode.engine.dead is None
+    finally:
+        gate.set()
+        prefill.shutdown()
         decode.shutdown()

@@ -1,0 +1,162 @@
+"""The step loop (part of LLMEngine, see engine.py): ``step()`` is schedule, run the model,
+process the outputs. The engine fills each scheduled request's runner inputs (``_inputs``: input
+token ids, sampling rows) right before the runner reads them, so the runner sees the
+SchedulerOutput only. Sampled tokens go through one path (``_take_token``: append, stop checks,
+detokenization, a delta for the request's group); ``_collect`` returns the step's deltas. It
+uses pipelining's ``_pipeline_ready``/``_launch``/``_complete_in_flight``, intake's
+``_expire_deadlines``/``_forks``/``_settle_held``/``_finish_group_if_done`` and remote KV's
+``_release_quarantine``."""
+from __future__ import annotations
+
+import logging
+import time
+
+from cluster.common.outputs import PositionLogprobs, RequestOutput
+from cluster.config import CacheConfig, SchedulerConfig
+from cluster.engine.model_runner import ModelRunner, RunnerOutput
+from cluster.engine.output_processor import OutputProcessor, RequestGroup
+from cluster.engine.pipeline import InFlightStep
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.sampler import SamplingRow
+from cluster.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class StepLoop:
+    # state shared with the other parts of LLMEngine (set in LLMEngine.__init__)
+    cache_config: CacheConfig
+    scheduler: Scheduler
+    scheduler_config: SchedulerConfig
+    runner: ModelRunner
+    output_processor: OutputProcessor
+    groups: dict[str, RequestGroup]
+    _sample_group: dict[str, RequestGroup]
+    _pending: list[RequestOutput]
+    _changed: dict[str, RequestGroup]
+    _quarantine: list[tuple[float, list[list[int]]]]
+    _first_tokens: dict[str, tuple[int, PositionLogprobs | None]]
+    _in_flight: InFlightStep | None
+    _pipelined: bool
+    last_step: list[tuple[str, int, int]]
+    num_sync_steps: int
+
+    def has_work(self) -> bool:
+        """Anything to step for: unfinished requests, outputs not yet returned, quarantined blocks,
+        a pipelined step in flight."""
+        return (bool(self.groups) or bool(self._pending) or bool(self._quarantine)
+                or self._in_flight is not None)
+
+    def step(self) -> list[RequestOutput]:
+        self._release_quarantine()
+        self._expire_deadlines()
+        if self._pipelined and self._pipeline_ready():
+            sched = self.scheduler.schedule()  # nothing waits here, so none fails admission
+            self._inputs(sched, {})  # no forks: _pipeline_ready refuses a step that draws first tokens
+            if self.runner.can_launch(sched):
+                self._launch(sched)
+                return self._collect()
+            self._complete_in_flight()  # not expected (the checks above hold), but always safe
+            sched.scheduled = [s for s in sched.scheduled if s.request.status is RequestStatus.RUNNING]
+        else:
+            self._complete_in_flight()
+            sched = self.scheduler.schedule()
+        self._begin(sched)
+        for request in sched.failed:
+            self._mark_changed(request)
+        if not sched.is_empty:
+            self.num_sync_steps += 1
+            forks = self._forks(sched)
+            self._inputs(sched, forks)
+            try:
+                result = self.runner.execute(sched)
+            except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the loop
+                logger.exception("model step failed")
+                self._fail(sched.scheduled, exc)
+            else:
+                for children in forks.values():
+                    for c in children:
+                        self._first_tokens[c.request_id] = (result.sampled[c.request_id],
+                                                            result.logprobs.get(c.request_id))
+                self._process(sched.scheduled, result)
+        return self._collect()
+
+    def _inputs(self, sched: SchedulerOutput, forks: dict[str, list[Request]]) -> None:
+        """Fill what the runner reads of each scheduled request, from its state now: the input
+        tokens known on the host and, for a chunk that reaches the request's end (counting a
+        token in flight), its sampling row and those of the samples in ``forks`` that draw their
+        first token from the same logits."""
+        for s in sched.scheduled:
+            r = s.request
+            c = s.num_computed_tokens
+            s.token_ids = r.all_token_ids[c:c + s.num_new_tokens]
+            if s.samples_with_pending:
+                rows = [(r.request_id, self._sampling_row(r))]
+                for child in forks.get(r.request_id, ()):
+                    rows.append((child.request_id, self._sampling_row(child)))
+                s.sampling = rows
+            else:
+                s.sampling = ()
+
+    @staticmethod
+    def _sampling_row(r: Request) -> SamplingRow:
+        p = r.sampling_params
+        banned: tuple[int, ...] = ()
+        if r.num_output_tokens + r.num_pending < p.min_tokens:  # stop and eos ids may not end it yet
+            banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else r.eos_token_ids)
+        return SamplingRow(p, r.prompt_token_ids, r.output_token_ids, banned, r.sample_index, r.num_pending)
+
+    def _begin(self, sched: SchedulerOutput) -> None:
+        """Record the step in ``last_step``."""
+        self.last_step = [(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+
+    def _fail(self, scheduled: list[ScheduledRequest], exc: Exception) -> None:
+        for s in scheduled:
+            self.scheduler.finish(s.request, RequestStatus.FINISHED_ERROR, error=f"model step failed: {exc}")
+            self._mark_changed(s.request)
+
+    def _collect(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        changed, self._changed = self._changed, {}
+        for group in changed.values():
+            if group.request_id in self.groups:
+                outputs.append(group.delta())
+                self._finish_group_if_done(group, emit=False)
+        return outputs
+
+    def take_pending(self) -> list[RequestOutput]:
+        """Outputs produced outside a step (aborts, remotely prefilled first tokens)."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    def _mark_changed(self, request: Request) -> None:
+        group = self._sample_group.get(request.request_id)
+        if group is not None:
+            self._changed[group.request_id] = group
+            if group.held and request is group.samples[0]:
+                self._settle_held(group)
+
+    def _process(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
+        for s in scheduled:
+            request = s.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            self.scheduler.mark_computed(s)
+            token = result.sampled.get(request.request_id)
+            if token is not None:
+                self._take_token(request, token, result.logprobs.get(request.request_id))
+
+    def _take_token(self, request: Request, token: int, logprobs: PositionLogprobs | None) -> None:
+        """Append a sampled token to ``request``, then its stop checks and output bookkeeping."""
+        request.append_output(token, logprobs, self.cache_config.block_size)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        group = self._sample_group[request.request_id]
+        status = self.output_processor.on_token(request, group.texts[group.samples.index(request)])
+        if status is None and self.scheduler_config.prefill_only:
+            status = RequestStatus.FINISHED_LENGTH  # the decode worker generates the rest
+        if group.held and request is group.samples[0]:
+            self._settle_held(group)  # its other samples fork the prompt's KV before it can be freed
+        if status is not None:
+            self.scheduler.finish(request, status)
+        self._mark_changed(request)
