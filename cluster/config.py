@@ -14,6 +14,9 @@ from cluster.common.errors import UnsupportedSettingError
 
 Role = Literal["colocated", "prefill", "decode"]
 TransferBackendName = Literal["auto", "ipc", "nixl", "nccl", "local"]
+SpeculativeMethod = Literal["none", "ngram", "draft_head", "mtp", "dspark"]
+#: The most draft tokens one verify step checks.
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -39,11 +42,36 @@ class ModelConfig:
     #: formats (benchmarks at real widths; the directory needs config.json and, to serve text,
     #: a tokenizer, but no weights).
     load_format: str = "auto"
+    #: Speculative decoding on decode (and colocated) engines; prefill engines never draft.
+    #: "none", or "ngram" (prompt lookup: the tokens that followed the latest earlier match of
+    #: the context's last n tokens, n from prompt_lookup_max down to prompt_lookup_min).
+    #: "draft_head", "mtp" and "dspark" are refused until they are built.
+    speculative_method: SpeculativeMethod = "none"
+    #: Draft tokens proposed per step (k): each verify step computes 1 + k positions.
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
         _choice("load_format", self.load_format, ("auto", "dummy"))
         _positive("max_model_len", self.max_model_len, allow_none=True)
+        _choice("speculative_method", self.speculative_method, typing.get_args(SpeculativeMethod))
+        if self.speculative_method in ("draft_head", "mtp", "dspark"):
+            raise UnsupportedSettingError(
+                f"speculative_method={self.speculative_method!r} is not built yet; use 'ngram' or 'none'",
+                param="speculative_method")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise UnsupportedSettingError(
+                f"num_speculative_tokens={self.num_speculative_tokens} exceeds {MAX_SPECULATIVE_TOKENS}",
+                param="num_speculative_tokens")
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise UnsupportedSettingError(
+                f"prompt_lookup_max={self.prompt_lookup_max} is below prompt_lookup_min={self.prompt_lookup_min}",
+                param="prompt_lookup_max")
         if self.tensor_parallel_size != 1:
             raise UnsupportedSettingError(
                 f"tensor_parallel_size={self.tensor_parallel_size} is not implemented yet; only 1 is",

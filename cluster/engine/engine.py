@@ -29,6 +29,7 @@ from cluster.engine.output_processor import OutputProcessor, RequestGroup
 from cluster.engine.pipeline import InFlightStep, Pipelining
 from cluster.engine.remote_kv import RemoteKV
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.spec_decode import Proposer, SpecDecodeStats, make_proposer
 from cluster.engine.step_loop import StepLoop
 from cluster.models.registry import LoadedModel, load_model
 
@@ -107,8 +108,9 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         self._first_tokens: dict[str, tuple[int, PositionLogprobs | None]] = {}
         #: Samples that took another sample's prompt KV instead of computing it (metrics, tests).
         self.num_forked_samples = 0
+        self._init_speculation()
         self._pipelined = (self.scheduler_config.async_scheduling and self.runner.graphs is not None
-                           and not self.scheduler_config.prefill_only)
+                           and not self.scheduler_config.prefill_only and self.proposer is None)
         #: Steps launched pipelined / run synchronously (metrics, tests).
         self.num_pipelined_steps = 0
         self.num_sync_steps = 0
@@ -129,6 +131,29 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
             if self.runner.graphs is not None:
                 self.startup_timings.update(self.runner.graphs.timings)
         announce_graph_status(self.runner.graph_status, self.device, decodes=not self.scheduler_config.prefill_only)
+
+    def _init_speculation(self) -> None:
+        """The draft proposer (None: no speculation; prefill-only engines never draft). Refused
+        where the model's KV cannot be rolled back past rejected drafts."""
+        self.proposer: Proposer | None = None
+        self.spec_stats: SpecDecodeStats | None = None
+        method = self.model_config.speculative_method
+        if method == "none" or self.scheduler_config.prefill_only:
+            return
+        fixed = sorted({s.kind for s in self.kv_specs} - {"full", "sliding_window"})
+        if fixed:
+            raise UnsupportedSettingError(
+                f"speculative_method={method!r} needs KV that rolls back past rejected drafts, but this "
+                f"model has {', '.join(fixed)} KV groups (a state updated in place)", param="speculative_method")
+        self.proposer = make_proposer(self.model_config)
+        self.spec_stats = SpecDecodeStats(self.model_config.num_speculative_tokens)
+        note = ""
+        if self.device.type == "cuda":
+            note = ("; verify steps run without CUDA graphs, and pipelined decode is off, while speculation is on "
+                    "(both are still to be built for verify steps)")
+        (logger.warning if note else logger.info)(
+            "speculative decoding: %s, %d draft tokens per step%s", method,
+            self.model_config.num_speculative_tokens, note)
 
     def _init_scheduler_config(self, config: SchedulerConfig) -> SchedulerConfig:
         model_len = int(self.model.max_position_embeddings)
@@ -186,6 +211,12 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         device = rows[0]["device"] if rows else self.device.type
         rows.append({"component": "cuda_graphs", "op": "decode_step", "impl": "captured" if status.captured else "off",
                      "device": device, "role": "main", "format": "-", "reason": status.describe()})
+        if self.proposer is not None:
+            reason = f"{self.model_config.num_speculative_tokens} draft tokens per verify step"
+            if self.device.type == "cuda":
+                reason += "; verify steps eager (no CUDA graphs), pipelined decode off"
+            rows.append({"component": "speculative_decoding", "op": "verify_step", "impl": self.proposer.name,
+                         "device": device, "role": "draft", "format": "-", "reason": reason})
         return rows
 
     def metrics(self) -> dict[str, float]:
@@ -200,5 +231,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
 
     def counters(self) -> dict[str, float]:
         """Totals since start-up (Prometheus counters: each key ends in ``_total``)."""
-        return {"num_preemptions_total": float(self.scheduler.num_preemptions),
-                "forked_samples_total": float(self.num_forked_samples)}
+        out = {"num_preemptions_total": float(self.scheduler.num_preemptions),
+               "forked_samples_total": float(self.num_forked_samples)}
+        if self.spec_stats is not None:
+            out.update(self.spec_stats.counters())
+        return out

@@ -19,6 +19,7 @@ from cluster.engine.model_runner import ModelRunner
 from cluster.engine.output_processor import OutputProcessor, RequestGroup
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
+from cluster.engine.spec_decode import Proposer
 from cluster.models.tokenizer import Tokenizer
 
 
@@ -35,6 +36,7 @@ class Intake:
     _pending: list[RequestOutput]
     _first_tokens: dict[str, tuple[int, PositionLogprobs | None]]
     num_forked_samples: int
+    proposer: Proposer | None
 
     # --- validation and queueing ------------------------------------------------------------------
 
@@ -177,5 +179,7 @@ class Intake:
         del self.groups[group.request_id]
         for s in group.samples:
             self._sample_group.pop(s.request_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(s.request_id)
         if emit:
             self._pending.append(group.delta())

@@ -180,6 +180,21 @@ class KVCacheManager:
         self._num_cached_blocks[child_id] = [plan[0] for plan in plans]
         return copies
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Free the blocks past those that cover ``num_tokens`` tokens (speculative decoding: the
+        blocks only rejected draft tokens wrote). Full and window groups only."""
+        tables = self.tables.get(request_id)
+        if tables is None:
+            return
+        cached = self._num_cached_blocks.get(request_id)
+        for g, spec in enumerate(self.specs):
+            keep = spec.blocks_needed(num_tokens)
+            if len(tables[g]) > keep:
+                self.pools[g].free(tables[g][keep:][::-1])
+                del tables[g][keep:]
+                if cached is not None:
+                    cached[g] = min(cached[g], keep)
+
     def free_skipped(self, request_id: str, num_computed_tokens: int) -> None:
         """Release blocks no future token will read (behind a sliding window, old state checkpoints)."""
         tables = self.tables.get(request_id)

@@ -16,7 +16,7 @@ from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
 from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
 from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, GraphUnsafeError
-from cluster.engine.sampler import Sampler, to_device
+from cluster.engine.sampler import Sampler, SamplingRow, to_device
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from cluster.models.context import ForwardContext
 
@@ -28,6 +28,10 @@ class RunnerOutput:
     #: request id -> sampled token, for requests whose chunk reached their end.
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs | None] = field(default_factory=dict)
+    #: Verify steps (speculative decoding): request id -> the target's token at each of the
+    #: chunk's last ``k + 1`` positions, and their logprobs.
+    verified: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
 
 
 #: Allocates KV storage ``[num_blocks, num_layers, *block_shape]`` per group (e.g. in shared memory
@@ -102,12 +106,22 @@ class ModelRunner:
         out = RunnerOutput()
         if not sample_rows:
             return out
-        rows = [(row, rid, srow) for row, s in sample_rows for rid, srow in s.sampling]
-        logits = self.model.compute_logits(self._sampled_hidden(hidden, [row for row, _, _ in rows]))  # [N, V]
-        tokens, logprobs = self.sampler(logits, [srow for _, _, srow in rows])
-        for (_, rid, _), token, lp in zip(rows, tokens, logprobs):
-            out.sampled[rid] = token
-            out.logprobs[rid] = lp
+        rows: list[tuple[int, str, SamplingRow, bool]] = []  # (hidden row, request id, sampling, verified)
+        for row, s in sample_rows:
+            k = len(s.draft_token_ids)
+            if k:  # a verify step: the target's token at each of the last k + 1 positions
+                rows += [(row - k + j, rid, srow, True) for j, (rid, srow) in enumerate(s.sampling)]
+            else:
+                rows += [(row, rid, srow, False) for rid, srow in s.sampling]
+        logits = self.model.compute_logits(self._sampled_hidden(hidden, [r[0] for r in rows]))  # [N, V]
+        tokens, logprobs = self.sampler(logits, [r[2] for r in rows])
+        for (_, rid, _, verified), token, lp in zip(rows, tokens, logprobs):
+            if verified:
+                out.verified.setdefault(rid, []).append(token)
+                out.verified_logprobs.setdefault(rid, []).append(lp)
+            else:
+                out.sampled[rid] = token
+                out.logprobs[rid] = lp
         return out
 
     def can_launch(self, sched: SchedulerOutput) -> bool:

@@ -68,6 +68,9 @@ class Request:
     #: Tokens sampled by a step still running on the device, not yet appended (pipelined
     #: decode, see LLMEngine): their positions are computed, their values not yet known here.
     num_pending: int = 0
+    #: Draft tokens proposed to follow the request's tokens, verified by the next step
+    #: (speculative decoding; see cluster.engine.spec_decode). Never part of its tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -41,6 +41,10 @@ class ScheduledRequest:
     #: request: (request id, what to sample with) for the request, then for each sample that
     #: takes its first token from the same logits (a request's other samples).
     sampling: Sequence[tuple[str, SamplingRow]] = ()
+    #: Draft tokens verified by this step (speculative decoding): the chunk's last ``k`` input
+    #: tokens; ``sampling`` then has ``k + 1`` rows for the request, one per position from the
+    #: last known token on.
+    draft_token_ids: Sequence[int] = ()
 
     @property
     def samples(self) -> bool:
@@ -181,11 +185,18 @@ class Scheduler:
             if request not in self.running:  # preempted earlier in this loop
                 continue
             c = request.num_computed_tokens
-            n = min(request.num_tokens + request.num_pending - c, budget)
+            base = request.num_tokens + request.num_pending - c
+            n = min(base + len(request.spec_token_ids), budget)
             if n <= 0:
                 continue
+            if request.spec_token_ids:
+                del request.spec_token_ids[max(0, n - base):]  # the budget takes what fits
             self.kv.free_skipped(request.request_id, c)
             while not self.kv.allocate(request.request_id, c + n):
+                if request.spec_token_ids:  # drop the drafts before preempting anyone
+                    n -= len(request.spec_token_ids)
+                    request.spec_token_ids.clear()
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 preempted_now = True
@@ -237,6 +248,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         request.num_pending = 0  # a token in flight is dropped: the recompute samples it again
+        request.spec_token_ids.clear()
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -250,6 +262,16 @@ class Scheduler:
         request = scheduled.request
         request.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens
         self.kv.cache_full_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+
+    def mark_verified(self, scheduled: ScheduledRequest, num_accepted: int) -> None:
+        """A verify step accepted ``num_accepted`` of its drafts: the KV of the positions up to the
+        last accepted draft is kept, the blocks only rejected drafts wrote are freed."""
+        request = scheduled.request
+        k = len(scheduled.draft_token_ids)
+        request.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens - k + num_accepted
+        if request.status is RequestStatus.RUNNING:
+            self.kv.truncate(request.request_id, request.num_computed_tokens)
+            self.kv.cache_full_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
 
     def finish(self, request: Request, status: RequestStatus, *, error: str | None = None,
                kind: ErrorKind | None = None) -> None:

@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from cluster.common.outputs import PositionLogprobs, RequestOutput
-from cluster.config import CacheConfig, SchedulerConfig
+from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
 from cluster.engine.model_runner import ModelRunner, RunnerOutput
 from cluster.engine.output_processor import OutputProcessor, RequestGroup
 from cluster.engine.pipeline import InFlightStep
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import SamplingRow
 from cluster.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from cluster.engine.spec_decode import Proposer, SpecDecodeStats, accepted_length
 
 logger = logging.getLogger(__name__)
 
 
 class StepLoop:
     # state shared with the other parts of LLMEngine (set in LLMEngine.__init__)
+    model_config: ModelConfig
     cache_config: CacheConfig
     scheduler: Scheduler
     scheduler_config: SchedulerConfig
@@ -40,6 +43,8 @@ class StepLoop:
     _pipelined: bool
     last_step: list[tuple[str, int, int]]
     num_sync_steps: int
+    proposer: Proposer | None
+    spec_stats: SpecDecodeStats | None
 
     def has_work(self) -> bool:
         """Anything to step for: unfinished requests, outputs not yet returned, quarantined blocks,
@@ -60,6 +65,8 @@ class StepLoop:
             sched.scheduled = [s for s in sched.scheduled if s.request.status is RequestStatus.RUNNING]
         else:
             self._complete_in_flight()
+            if self.proposer is not None:
+                self._propose()
             sched = self.scheduler.schedule()
         self._begin(sched)
         for request in sched.failed:
@@ -83,13 +90,20 @@ class StepLoop:
 
     def _inputs(self, sched: SchedulerOutput, forks: dict[str, list[Request]]) -> None:
         """Fill what the runner reads of each scheduled request, from its state now: the input
-        tokens known on the host and, for a chunk that reaches the request's end (counting a
-        token in flight), its sampling row and those of the samples in ``forks`` that draw their
-        first token from the same logits."""
+        tokens known on the host (drafts last) and, for a chunk that reaches the request's end
+        (counting a token in flight), its sampling rows: one, or one per verified position, and
+        those of the samples in ``forks`` that draw their first token from the same logits."""
         for s in sched.scheduled:
             r = s.request
             c = s.num_computed_tokens
+            drafts = r.spec_token_ids
+            if drafts and c + s.num_new_tokens == r.num_tokens + len(drafts):
+                s.token_ids = r.all_token_ids[c:] + drafts
+                s.draft_token_ids = list(drafts)
+                s.sampling = [(r.request_id, self._sampling_row(r, drafts[:j])) for j in range(len(drafts) + 1)]
+                continue
             s.token_ids = r.all_token_ids[c:c + s.num_new_tokens]
+            s.draft_token_ids = ()
             if s.samples_with_pending:
                 rows = [(r.request_id, self._sampling_row(r))]
                 for child in forks.get(r.request_id, ()):
@@ -99,12 +113,19 @@ class StepLoop:
                 s.sampling = ()
 
     @staticmethod
-    def _sampling_row(r: Request) -> SamplingRow:
+    def _sampling_row(r: Request, ahead: Sequence[int] = ()) -> SamplingRow:
+        """How to sample ``r``'s next token, or (``ahead``: drafts taken as already output) the
+        token after them: the seeded noise, min_tokens and penalties of that output position."""
         p = r.sampling_params
+        position = r.num_output_tokens + r.num_pending + len(ahead)
         banned: tuple[int, ...] = ()
-        if r.num_output_tokens + r.num_pending < p.min_tokens:  # stop and eos ids may not end it yet
+        if position < p.min_tokens:  # stop and eos ids may not end it yet
             banned = tuple(p.stop_token_ids) + (() if p.ignore_eos else r.eos_token_ids)
-        return SamplingRow(p, r.prompt_token_ids, r.output_token_ids, banned, r.sample_index, r.num_pending)
+        output = r.output_token_ids
+        pending = r.num_pending + len(ahead)
+        if ahead and p.has_penalties:  # the drafts count as output for the penalties
+            output, pending = output + list(ahead), r.num_pending
+        return SamplingRow(p, r.prompt_token_ids, output, banned, r.sample_index, pending)
 
     def _begin(self, sched: SchedulerOutput) -> None:
         """Record the step in ``last_step``."""
@@ -141,10 +162,49 @@ class StepLoop:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
                 continue
+            if s.draft_token_ids:
+                self._take_verified(s, result)
+                continue
             self.scheduler.mark_computed(s)
             token = result.sampled.get(request.request_id)
             if token is not None:
                 self._take_token(request, token, result.logprobs.get(request.request_id))
+
+    def _take_verified(self, s: ScheduledRequest, result: RunnerOutput) -> None:
+        """A verify step: the target's tokens ``t_0 .. t_k`` at the chunk's last ``k + 1``
+        positions. Take ``t_0`` and then each ``t_j`` whose prefix the drafts got right
+        (``d_j == t_{j-1}``), stopping at the first token that ends the request."""
+        request = s.request
+        drafts = list(s.draft_token_ids)
+        targets = result.verified[request.request_id]
+        logprobs = result.verified_logprobs.get(request.request_id) or [None] * len(targets)
+        m = accepted_length(drafts, targets)
+        assert self.spec_stats is not None
+        self.spec_stats.record(len(drafts), m)
+        taken = 0
+        for token, lp in zip(targets[:m + 1], logprobs[:m + 1]):
+            self._take_token(request, token, lp)
+            taken += 1
+            if request.status is not RequestStatus.RUNNING:
+                break
+        self.scheduler.mark_verified(s, taken - 1)
+
+    def _propose(self) -> None:
+        """Draft tokens for every running request that decodes next (all its tokens but the last
+        computed), at most what ``max_tokens`` and ``max_model_len`` leave room for."""
+        proposer = self.proposer
+        assert proposer is not None
+        k = self.model_config.num_speculative_tokens
+        max_len = self.scheduler_config.max_model_len
+        for r in self.scheduler.running:
+            r.spec_token_ids = []
+            if r.num_pending or r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            room = min(k, max_len - r.num_tokens - 1)
+            if r.max_tokens is not None:
+                room = min(room, r.max_tokens - r.num_output_tokens - 1)
+            if room > 0:
+                r.spec_token_ids = proposer.propose(r, room)
 
     def _take_token(self, request: Request, token: int, logprobs: PositionLogprobs | None) -> None:
         """Append a sampled token to ``request``, then its stop checks and output bookkeeping."""

@@ -179,7 +179,7 @@ def test_many_multi_sample_requests_at_once(served, model_dir, offline):
         values = served.wait_for_metric(f"cluster:decode_requests_{state}", lambda v: v and max(v) == 0.0,
                                         role="decode")
         assert values and max(values) == 0.0, state
-    for state in ("queued", "prefilling", "sent", "failed", "overdue"):
+    for state in ("queued", "prefilling", "sending", "sent", "failed", "overdue"):
         values = served.wait_for_metric(f"cluster:prefill_requests_{state}", lambda v: v and max(v) == 0.0,
                                         role="prefill")
         assert values and max(values) == 0.0, state

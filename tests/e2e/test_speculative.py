@@ -1,0 +1,103 @@
+"""Speculative decoding (n-gram) through the real Ray Serve application with the openai client:
+disaggregated (one prefill, one decode replica) and colocated, completions with prompt lists and
+``n > 1``, streamed and not, greedy and seeded, equal token for token to offline generation
+without speculation; drafts are proposed and accepted on the decode replica only (the metrics
+say so, with their role labels); streams cut mid-way leave every KV block free."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import openai
+import pytest
+
+from cluster import LLM, SamplingParams
+from tests.e2e.conftest import httpx
+from tests.e2e.test_disaggregation import model_name
+from tests.e2e.test_robustness import one_stream, wait_until_idle
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 24
+SEEDED = dict(temperature=0.8, top_p=0.95, seed=41)
+
+
+def looping_prompts() -> list[list[int]]:
+    rng = random.Random(8)
+    loop = [rng.randrange(10, 300) for _ in range(5)]
+    return [loop * 6, [rng.randrange(10, 300) for _ in range(20)] + loop * 3, loop * 2 + [9, 10]]
+
+
+PROMPTS = looping_prompts()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    llm = LLM(model_dir, block_size=16)
+
+    def run(n, **sampling):
+        params = SamplingParams(n=n, max_tokens=MAX_TOKENS, ignore_eos=True, **sampling)
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)]
+    return run
+
+
+def _ids(choice) -> list[int]:
+    return [int(t.split(":", 1)[1]) for t in choice.logprobs.tokens]
+
+
+async def _completions(cluster, model, n, stream, **sampling):
+    client = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    try:
+        if not stream:
+            resp = await client.completions.create(model=model, prompt=PROMPTS, n=n, max_tokens=MAX_TOKENS,
+                                                   logprobs=0, extra_body=extra, **sampling)
+            flat = [_ids(c) for c in sorted(resp.choices, key=lambda c: c.index)]
+        else:
+            got: dict[int, list[int]] = {}
+            async for chunk in await client.completions.create(model=model, prompt=PROMPTS, n=n,
+                                                               max_tokens=MAX_TOKENS, logprobs=0, stream=True,
+                                                               extra_body=extra, **sampling):
+                for c in chunk.choices:
+                    got.setdefault(c.index, []).extend(_ids(c) if c.logprobs else [])
+            flat = [got[i] for i in range(len(PROMPTS) * n)]
+        return [flat[p * n:(p + 1) * n] for p in range(len(PROMPTS))]
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
+def test_speculative_serving_equals_offline_without_speculation(cluster, model_dir, offline, layout):
+    settings = {"model": model_dir, "kv_transfer": "ipc", "speculative_method": "ngram",
+                "num_speculative_tokens": 4, "remote_kv_grace_s": 0.5}
+    if layout == "colocated":
+        settings["prefill_replicas"] = 0
+    cluster.deploy(settings)
+    model = model_name(model_dir)
+    before = sum(cluster.metric("cluster:spec_decode_num_accepted_tokens_total", role="decode"))
+    for stream in (False, True):
+        assert asyncio.run(_completions(cluster, model, 2, stream, temperature=0.0)) == offline(2, temperature=0.0)
+        assert asyncio.run(_completions(cluster, model, 3, stream, **SEEDED)) == offline(3, **SEEDED)
+    accepted = cluster.wait_for_metric("cluster:spec_decode_num_accepted_tokens_total",
+                                       lambda v: sum(v) > before + 20, role="decode")
+    assert sum(accepted) > before + 20  # the loops are found and their drafts accepted
+    drafts = cluster.metric("cluster:spec_decode_num_draft_tokens_total", role="decode")
+    assert sum(drafts) >= sum(accepted)
+    if layout == "disaggregated":  # prefill replicas never draft
+        assert cluster.metric("cluster:spec_decode_num_draft_tokens_total", role="prefill") == []
+    # the decode replica says speculation is on
+    rows = httpx.get(f"{cluster.base_url}/v1/backends", timeout=10).json()
+    text = str(rows)
+    assert "speculative_decoding" in text and "ngram" in text
+
+    # streams cut before and after their first chunk, mid-speculation: nothing leaks
+    url = f"{cluster.base_url}/v1/completions"
+
+    async def cut() -> list[str]:
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(
+                one_stream(client, url, {"model": model, "prompt": PROMPTS[i % 3], "max_tokens": 60,
+                                         "temperature": 0.0, "ignore_eos": True, "stream": True, "n": 2},
+                           ["after-first", "complete", "before-first"][i % 3]) for i in range(12)))
+    results = asyncio.run(cut())
+    assert results.count("disconnected") == 8 and results.count("done-200") == 4
+    wait_until_idle(cluster)
