@@ -35,21 +35,37 @@ class HostBatch:
 
 def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, list[list[int]]],
                      specs: list[KVGroupSpec]) -> HostBatch:
+    """The step's inputs. A verify step's positions (a request with draft tokens: its last known
+    token, then the drafts) become one attention sequence each, of one query token over the
+    request's blocks up to that position: each is computed exactly as a decode step of that
+    position would be, so speculation changes no logit (and a batch of decodes and verifies is
+    decode-only: it can replay a decode graph)."""
     counts = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
     starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=len(scheduled))
-    query_start = np.zeros(len(scheduled) + 1, dtype=np.int32)
-    np.cumsum(counts, out=query_start[1:])
-    total = int(query_start[-1])
+    ends = np.cumsum(counts)
+    total = int(ends[-1]) if len(ends) else 0
     ids = np.empty(total, dtype=np.int64)
-    for s, begin in zip(scheduled, query_start[:-1].tolist()):
+    for s, begin in zip(scheduled, (ends - counts).tolist()):
         known, n = s.token_ids, s.num_new_tokens
         ids[begin:begin + len(known)] = known
         ids[begin + len(known):begin + n] = 0  # sampled by the step in flight: filled on the device
-    seq_index = np.repeat(np.arange(len(scheduled)), counts)
-    positions = starts[seq_index] + (np.arange(total) - query_start[:-1][seq_index])
+    owner = np.arange(len(scheduled))  # the scheduled request of each attention sequence
+    if any(s.draft_token_ids for s in scheduled):  # a verify step: each verified position its own sequence
+        split = np.array([bool(s.draft_token_ids) for s in scheduled])
+        per_seq = np.where(split, counts, 1)
+        owner = np.repeat(owner, per_seq)
+        offset = np.arange(len(owner)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+        q_counts = np.where(split[owner], 1, counts[owner])
+        seq_starts = starts[owner] + np.where(split[owner], offset, 0)
+    else:
+        q_counts, seq_starts = counts, starts
+    query_start = np.zeros(len(owner) + 1, dtype=np.int32)
+    np.cumsum(q_counts, out=query_start[1:])
+    seq_index = np.repeat(np.arange(len(owner)), q_counts)
+    positions = seq_starts[seq_index] + (np.arange(total) - query_start[:-1][seq_index])
     tables, slots = [], []
     for g, spec in enumerate(specs):
-        rows = [block_tables[s.request_id][g] for s in scheduled]
+        rows = [block_tables[scheduled[i].request_id][g] for i in owner.tolist()]
         width = max(1, max((len(r) for r in rows), default=1))
         table = np.zeros((len(rows), width), dtype=np.int32)
         for i, r in enumerate(rows):
@@ -60,8 +76,9 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, 
             slots.append(blocks * spec.block_size + positions % spec.block_size)
         else:
             slots.append(None)
-    sample_rows = [(int(query_start[i + 1]) - 1, s) for i, s in enumerate(scheduled) if s.sampling]
-    return HostBatch(ids, positions, query_start, (starts + counts).astype(np.int32), tables, slots, sample_rows)
+    sample_rows = [(int(ends[i]) - 1, s) for i, s in enumerate(scheduled) if s.sampling]
+    return HostBatch(ids, positions, query_start, (seq_starts + q_counts).astype(np.int32), tables, slots,
+                     sample_rows)
 
 
 def take_pending_tokens(input_ids: torch.Tensor, rows: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ from cluster.models.registry import LoadedModel, load_model
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+#: The largest decode graph captured for verify steps (rows: 1 + k per speculating request).
+MAX_VERIFY_GRAPH_ROWS = 512
 CPU_MAX_MODEL_LEN = 8192
 
 
@@ -93,6 +95,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         self.runner = ModelRunner(self.model, self.kv_specs, self.num_blocks, self.device, model_config.seed,
                                   kv_allocator)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler_config.max_model_len)
+        self._init_speculation()
         self._init_cuda_graphs()
         self.groups: dict[str, RequestGroup] = {}
         self._sample_group: dict[str, RequestGroup] = {}
@@ -108,7 +111,6 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         self._first_tokens: dict[str, tuple[int, PositionLogprobs | None]] = {}
         #: Samples that took another sample's prompt KV instead of computing it (metrics, tests).
         self.num_forked_samples = 0
-        self._init_speculation()
         self._pipelined = (self.scheduler_config.async_scheduling and self.runner.graphs is not None
                            and not self.scheduler_config.prefill_only and self.proposer is None)
         #: Steps launched pipelined / run synchronously (metrics, tests).
@@ -126,7 +128,10 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
             self.runner.graph_status = GraphStatus(reason="prefill role: no decode steps to capture")
         else:
             start = time.perf_counter()
-            self.runner.capture_cuda_graphs(self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
+            rows = self.scheduler_config.max_num_seqs
+            if self.proposer is not None:  # a verify step is a decode batch of 1 + k rows per request
+                rows = max(rows, min(rows * (1 + self.model_config.num_speculative_tokens), MAX_VERIFY_GRAPH_ROWS))
+            self.runner.capture_cuda_graphs(rows, self.scheduler_config.max_model_len)
             self.startup_timings["cuda_graphs_s"] = time.perf_counter() - start
             if self.runner.graphs is not None:
                 self.startup_timings.update(self.runner.graphs.timings)
@@ -149,8 +154,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         self.spec_stats = SpecDecodeStats(self.model_config.num_speculative_tokens)
         note = ""
         if self.device.type == "cuda":
-            note = ("; verify steps run without CUDA graphs, and pipelined decode is off, while speculation is on "
-                    "(both are still to be built for verify steps)")
+            note = ("; pipelined decode is off while speculation is on (not built for verify steps yet); "
+                    "verify steps replay the decode graphs, one row per verified position")
         (logger.warning if note else logger.info)(
             "speculative decoding: %s, %d draft tokens per step%s", method,
             self.model_config.num_speculative_tokens, note)
@@ -212,9 +217,10 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         rows.append({"component": "cuda_graphs", "op": "decode_step", "impl": "captured" if status.captured else "off",
                      "device": device, "role": "main", "format": "-", "reason": status.describe()})
         if self.proposer is not None:
-            reason = f"{self.model_config.num_speculative_tokens} draft tokens per verify step"
+            reason = (f"{self.model_config.num_speculative_tokens} draft tokens per verify step, each verified "
+                      "position a decode row (in the decode graphs where they fit)")
             if self.device.type == "cuda":
-                reason += "; verify steps eager (no CUDA graphs), pipelined decode off"
+                reason += "; pipelined decode off"
             rows.append({"component": "speculative_decoding", "op": "verify_step", "impl": self.proposer.name,
                          "device": device, "role": "draft", "format": "-", "reason": reason})
         return rows
@@ -232,7 +238,9 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
     def counters(self) -> dict[str, float]:
         """Totals since start-up (Prometheus counters: each key ends in ``_total``)."""
         out = {"num_preemptions_total": float(self.scheduler.num_preemptions),
-               "forked_samples_total": float(self.num_forked_samples)}
+               "forked_samples_total": float(self.num_forked_samples),
+               "graph_steps_total": float(self.runner.num_graph_steps),
+               "eager_steps_total": float(self.runner.num_eager_steps)}
         if self.spec_stats is not None:
             out.update(self.spec_stats.counters())
         return out

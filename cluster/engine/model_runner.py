@@ -58,6 +58,9 @@ class ModelRunner:
             self.kv_caches = kv_allocator(specs, num_blocks, device, dtypes)
         self.graphs: DecodeGraphs | None = None
         self.graph_status = GraphStatus(reason="not captured")
+        #: Forward passes replayed from a decode graph / run eagerly (metrics, benchmarks).
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
         ops = getattr(model, "ops", None)
         self.sampler = Sampler(model.vocab_size, seed, device, *((ops.sampling,) if ops is not None else ()))
 
@@ -93,7 +96,9 @@ class ModelRunner:
         ``[T, H]`` and, for each request to sample, the row of its last token."""
         batch = build_host_batch(sched.scheduled, sched.block_tables, self.specs)
         if self.graphs is not None and self.graphs.can_run(batch):
+            self.num_graph_steps += 1
             return self.graphs.run(batch), batch.sample_rows
+        self.num_eager_steps += 1
         ctx, input_ids = self._context(batch)
         return self.model(input_ids, ctx), batch.sample_rows
 
@@ -142,8 +147,10 @@ class ModelRunner:
             rows = np.array([token_rows.get(s.request_id, -1) for s in sched.scheduled], dtype=np.int64)
             source = (rows, previous)
         if self.graphs is not None:
+            self.num_graph_steps += 1
             hidden = self.graphs.run(batch, source)
         else:  # eager (CPU, or graphs off): same bookkeeping, nothing to overlap
+            self.num_eager_steps += 1
             ctx, input_ids = self._context(batch)
             if source is not None:
                 input_ids = take_pending_tokens(input_ids, torch.from_numpy(source[0]).to(self.device), source[1])

@@ -339,9 +339,9 @@ def test_prefill_engines_never_draft(model_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_ngram_on_the_gpu_equals_graph_decode(tmp_path):
-    """On a GPU (float32): the n-gram verify steps (eager) give the tokens of pipelined graph
-    decode without speculation, greedy and seeded, n samples included, and say that their graphs
-    and pipelining are off."""
+    """On a GPU (float32): the n-gram verify steps, replayed from the decode graphs (one row per
+    verified position), give the tokens of pipelined graph decode without speculation, greedy and
+    seeded, n samples included, and say that pipelining is off."""
     path = str(tmp_path / "llama")
     make_checkpoint(path, "llama", seed=11, max_position_embeddings=1024)
     settings = dict(block_size=16, dtype="float32", max_num_seqs=8, max_model_len=512, attention_backend="triton")
@@ -353,9 +353,35 @@ def test_ngram_on_the_gpu_equals_graph_decode(tmp_path):
     want = summary(base.generate(prompts, params))
     assert base.engine.num_pipelined_steps > 0
     llm = LLM(path, speculative_method="ngram", num_speculative_tokens=4, **settings)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.max_batch >= 8 * 5
+    graph_steps = llm.engine.runner.num_graph_steps
     assert summary(llm.generate(prompts, params)) == want
     assert llm.engine.spec_stats.num_accepted_tokens > 10
-    assert llm.engine.num_pipelined_steps == 0 and llm.engine.runner.graphs is not None
+    assert llm.engine.num_pipelined_steps == 0
+    assert llm.engine.runner.num_graph_steps - graph_steps >= llm.engine.spec_stats.num_drafts // 2  # verify in graphs
     row = [r for r in llm.engine.backends() if r["component"] == "speculative_decoding"][0]
-    assert "eager" in row["reason"] and "pipelined decode off" in row["reason"]
+    assert "decode row" in row["reason"] and "pipelined decode off" in row["reason"]
     assert llm.engine.kv.usage == 0.0
+
+
+def test_verify_steps_replay_emulated_decode_graphs(tmp_path):
+    """On the CPU, decode graphs emulated (their static buffers, the Triton kernels interpreted):
+    verify steps are decode batches of one row per verified position, replayed from the graphs,
+    with the tokens of eager decode without speculation, greedy and seeded."""
+    path = str(tmp_path / "llama")
+    make_checkpoint(path, "llama", seed=11, max_position_embeddings=256)
+    settings = dict(block_size=16, dtype="float32", attention_backend="triton", max_num_seqs=4, max_model_len=256,
+                    enforce_eager=True)
+    prompts = [p[:30] for p in looping_prompts()]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)]
+    want = summary(LLM(path, **settings).generate(prompts, params))
+    llm = LLM(path, speculative_method="ngram", num_speculative_tokens=3, **settings)
+    engine = llm.engine
+    status = engine.runner.capture_cuda_graphs(4 * (1 + 3), engine.scheduler_config.max_model_len, emulate=True)
+    assert status.captured, status.describe()
+    assert summary(llm.generate(prompts, params)) == want
+    assert engine.spec_stats.num_accepted_tokens > 5
+    assert engine.runner.num_eager_steps == 1  # the prompts' step; every decode and verify step replayed a graph
+    assert engine.runner.num_graph_steps > 3
