@@ -234,6 +234,9 @@ def summarize(config: BenchConfig, records: list[RequestRecord], duration_s: flo
 
 
 def _git_commit() -> str | None:
+    """The commit benchmarked: PD_BENCH_COMMIT where a copied tree's git is stale (the GPU machine)."""
+    if os.environ.get("PD_BENCH_COMMIT"):
+        return os.environ["PD_BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
                              capture_output=True, text=True, timeout=10)
