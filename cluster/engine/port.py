@@ -58,8 +58,8 @@ class ScheduledWork:
 
 class StepReport:
     """What the last step computed, handed to a post-step hook in the engine thread. The blocks
-    ``block_tables`` names are valid until the hook returns; those ``pin`` names stay valid, in
-    any thread, until ``EnginePort.unpin`` (read them once ``ready`` has completed)."""
+    ``pin`` names stay valid, in any thread, until ``EnginePort.unpin`` (read them once ``ready``
+    has completed)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
@@ -86,11 +86,6 @@ class StepReport:
     def num_prompt_tokens(self, request_id: str) -> int | None:
         request = self._engine.scheduler.requests.get(request_id)
         return None if request is None else request.num_prompt_tokens
-
-    def block_tables(self, request_id: str) -> list[list[int]] | None:
-        """The request's block tables, per KV group (None once its blocks are gone)."""
-        kv = self._engine.kv
-        return kv.block_tables(request_id) if request_id in kv.tables else None
 
     def abort(self, group_id: str, message: str, kind: ErrorKind) -> None:
         self._engine.abort_request(group_id, error=message, kind=kind)

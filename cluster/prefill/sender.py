@@ -31,14 +31,13 @@ _STOP = object()
 @dataclass
 class PrefillJob:
     """One request's writes. ``queued_upto`` (engine thread) is how far writes are queued;
-    ``written_upto``, ``bytes_sent`` and ``transfer_s`` (sender thread) how far they have landed.
+    ``bytes_sent`` and ``transfer_s`` (sender thread) what the landed ones moved and took.
     ``landed`` completes when the last write has landed, or with the error that stopped them."""
 
     prefill: PrefillRequest
     #: The engine's id of the request's computing sample.
     request_id: str
     queued_upto: int
-    written_upto: int
     bytes_sent: int = 0
     transfer_s: float = 0.0
     cancelled: bool = False
@@ -64,8 +63,6 @@ class PrefillJob:
 class SendTask:
     job: PrefillJob
     copies: list[BlockCopy]
-    #: The prompt's tokens up to here are computed once this task's blocks are written.
-    end: int
     last: bool
     #: Block tables pinned for this task (unpinned once it is done or dropped).
     pinned: list[list[int]]
@@ -147,7 +144,6 @@ class KVSender:
             moved = self.backend.send(job.prefill.dest, job.prefill.transfer_key, task.copies, task.last)
             job.bytes_sent += moved
             job.transfer_s += time.perf_counter() - start
-            job.written_upto = task.end
         except Exception as exc:  # noqa: BLE001 - one request's bad write fails it, not the sender
             error = exc if isinstance(exc, KVTransferError) else KVTransferError(
                 f"KV write for {job.prefill.transfer_key} failed: {exc!r}")

@@ -63,7 +63,7 @@ class PrefillWorker:
         request = group.samples[0]
         rid = request.request_id  # the transfer key, "#0" appended when n > 1
         request.hold_blocks_on_finish = True
-        job = PrefillJob(req, rid, queued_upto=req.skip_tokens, written_upto=req.skip_tokens)
+        job = PrefillJob(req, rid, queued_upto=req.skip_tokens)
         self.lifecycle.start(rid, PrefillState.QUEUED, request.deadline)
         with self._jobs_lock:
             self._jobs[rid] = job
@@ -157,7 +157,7 @@ class PrefillWorker:
             job.queued_upto = end
             if last:
                 self.lifecycle.advance(rid, PrefillState.PREFILLING, PrefillState.SENDING)
-            self.sender.submit(SendTask(job, copies, end, last, pinned, report.ready))
+            self.sender.submit(SendTask(job, copies, last, pinned, report.ready))
 
     # --- runs in a sender thread --------------------------------------------------------------------
 
