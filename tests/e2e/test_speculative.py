@@ -14,7 +14,7 @@ import pytest
 from cluster import LLM, SamplingParams
 from tests.e2e.conftest import httpx
 from tests.e2e.test_disaggregation import model_name
-from tests.e2e.test_robustness import one_stream, wait_until_idle
+from tests.e2e.test_robustness import one_stream
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 24
@@ -100,4 +100,13 @@ def test_speculative_serving_equals_offline_without_speculation(cluster, model_d
                            ["after-first", "complete", "before-first"][i % 3]) for i in range(12)))
     results = asyncio.run(cut())
     assert results.count("disconnected") == 8 and results.count("done-200") == 4
-    wait_until_idle(cluster)
+    # every block back on the roles this layout runs (colocated has no prefill replica, whose
+    # last report may linger or be gone)
+    roles = ("prefill", "decode") if layout == "disaggregated" else ("decode",)
+    for role in roles:
+        usage = cluster.wait_for_metric("cluster:kv_cache_usage_perc", lambda v: bool(v) and max(v) == 0.0,
+                                        timeout=30.0, role=role)
+        assert usage and max(usage) == 0.0, (role, usage)
+    running = cluster.wait_for_metric("cluster:num_requests_running", lambda v: bool(v) and not any(v), timeout=30.0,
+                                      role="decode")
+    assert running and not any(running)
