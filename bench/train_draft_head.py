@@ -1,0 +1,317 @@
+"""Train the draft head (speculative_method=draft_head, cluster/models/draft_head.py) for a
+Llama-family model by self-distillation, in one bounded run (the H200: a few minutes).
+
+1. Data: the model writes it itself, through our engine: chat replies (its chat template) to
+   user turns built from task templates x topics, some over passages of this repository's docs
+   and code (summarise, explain, edit, convert); plain completions of random spans of those
+   files and of random word lists. Greedy for 40% of prompts, temperature 0.7 / 1.0 for the rest.
+2. Training: for each sequence the target's final hidden states ``h`` and next-token
+   distribution ``p`` (dense forward, no gradient); the head at position ``t`` reads the token
+   ``x_t`` and ``h_{t-1}``. Loss: soft cross-entropy against ``p`` plus a smooth-L1 pull of the
+   head's output ``g_t`` towards ``h_t``, over ``k`` chained passes (pass ``j`` reads the
+   previous pass's ``g`` in place of ``h``, as chained drafting does), weighted 1, 0.8, 0.64, ...
+   AdamW, warm-up then cosine over the time budget.
+3. Evaluation on held-out greedy sequences: each pass's top-1 agreement with the target, and
+   the tokens per verify step a k-chain would give (1 + c1 + c1 c2 + ...: a draft counts only if
+   those before it were right), teacher-forced (the served acceptance is measured by
+   bench/spec_decode.py and bench/spec_decode_gpu.py through the engine).
+
+The weights (bf16 safetensors, with the target shape and the run's figures as metadata) go to
+``--weights``; the run's record to ``--out``.
+
+    python bench/train_draft_head.py --model <SmolLM2 .gguf> --weights <dir>/smollm2-135m-instruct.safetensors \
+        --out bench/results/draft-head-train-h200-<date>.json
+    python bench/train_draft_head.py --tiny      # CPU, seconds: checks the script end to end
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import environment, median, write_result  # noqa: E402
+from cluster.common.sampling_params import SamplingParams  # noqa: E402
+from cluster.engine.llm import LLM  # noqa: E402
+from cluster.models.draft_head import LlamaDraftHead, dense_hidden, head_metadata  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TOPICS = """photosynthesis; black holes; the French revolution; compound interest; sourdough bread; the water
+cycle; volcanoes; machine learning; climate change; the immune system; chess openings; jazz music; the
+Roman empire; electric cars; coffee brewing; plate tectonics; the stock market; vaccines; recycling;
+gardening tomatoes; the moon landing; quantum computers; honey bees; marathon training; the internet;
+renewable energy; ancient Egypt; the human heart; budgeting; learning a language; octopuses; rainbows;
+sleep; the printing press; recursion; sorting algorithms; hash tables; HTTP; databases; caching;
+operating systems; GPUs; time management; public speaking; job interviews; dinosaurs; the ocean; tea;
+bicycles; friendship; mountains; the solar system; earthquakes; pizza; libraries; birds migrating;
+the metric system; prime numbers; probability; fractions; a rainy day; a lost key; a robot chef;
+a dragon who cannot fly; a lighthouse keeper; a time traveller; a small bakery; a space station""".replace("\n", " ")
+
+TASKS = [
+    "Explain {t} in simple terms.", "Write a short story about {t}.", "Give me five tips about {t}.",
+    "What are the pros and cons of {t}?", "Write a poem about {t}.", "Summarise what you know about {t}.",
+    "Write a haiku about {t}.", "Explain {t} to a ten-year-old.", "List three facts about {t}.",
+    "Write an email to a friend about {t}.", "What is the history of {t}?", "Describe {t} in one paragraph.",
+    "Compare {t} and {u}.", "Write a dialogue between two people about {t}.", "Why does {t} matter?",
+    "Write a Python function related to {t}, with comments.", "Give a step-by-step guide to {t}.",
+    "Write a blog post introduction about {t}.", "What questions should I ask about {t}?",
+    "Make a numbered list of ideas about {t} and {u}.",
+]
+FILE_TASKS = [
+    "Summarise the following text:\n\n{p}", "Explain what this code does:\n\n{p}",
+    "Rewrite the following more clearly:\n\n{p}", "Convert the key points of this text to a JSON list:\n\n{p}",
+    "Add a docstring to this code and repeat it:\n\n{p}", "What are the main ideas here?\n\n{p}",
+    "Translate this to simple English:\n\n{p}", "Repeat this text, fixing any typos:\n\n{p}",
+]
+
+
+def corpus_files() -> list[str]:
+    files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    files += sorted(glob.glob(os.path.join(ROOT, "cluster", "**", "*.py"), recursive=True))
+    files += sorted(glob.glob(os.path.join(ROOT, "bench", "*.py")))
+    return [f for f in files if os.path.getsize(f) > 200]
+
+
+def build_prompts(tokenizer: Any, n: int, rng: random.Random, max_prompt: int) -> list[tuple[str, list[int]]]:
+    """``n`` (kind, prompt token ids): chats from templates, chats over file passages, raw completions."""
+    topics = [t.strip() for t in TOPICS.split(";") if t.strip()]
+    texts = [open(f, encoding="utf-8", errors="replace").read() for f in corpus_files()]
+    words = sorted({w for t in texts for w in t.split() if w.isalpha() and 3 <= len(w) <= 10})
+    out: list[tuple[str, list[int]]] = []
+    while len(out) < n:
+        r = rng.random()
+        if r < 0.5:
+            msg = rng.choice(TASKS).format(t=rng.choice(topics), u=rng.choice(topics))
+            out.append(("chat", tokenizer.encode_chat([{"role": "user", "content": msg}])))
+        elif r < 0.75:
+            text = rng.choice(texts)
+            start = rng.randrange(max(1, len(text) - 400))
+            passage = text[start:start + rng.randint(200, 1200)]
+            ids = tokenizer.encode_chat([{"role": "user", "content": rng.choice(FILE_TASKS).format(p=passage)}])
+            out.append(("chat_file", ids[-max_prompt:] if len(ids) > max_prompt else ids))
+        elif r < 0.92:
+            text = rng.choice(texts)
+            start = rng.randrange(max(1, len(text) - 200))
+            out.append(("completion_file", tokenizer.encode(text[start:start + rng.randint(40, 600)])[:max_prompt]))
+        else:
+            out.append(("completion_words", tokenizer.encode(" ".join(rng.choice(words) for _ in range(rng.randint(3, 24))))))
+    return out
+
+
+def generate(llm: LLM, prompts: list[tuple[str, list[int]]], rng: random.Random, max_new: int,
+             max_len: int, seconds: float, round_size: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    seqs: list[dict[str, Any]] = []
+    t0, done, tokens = time.monotonic(), 0, 0
+    while done < len(prompts) and time.monotonic() - t0 < seconds:
+        batch = prompts[done:done + round_size]
+        params = []
+        for _ in batch:
+            temp = rng.choice([0.0, 0.0, 0.7, 0.7, 1.0])
+            params.append(SamplingParams(temperature=temp, top_p=0.95 if temp else 1.0, seed=rng.randrange(1 << 30),
+                                         max_tokens=rng.randint(max_new // 3, max_new)))
+        outs = llm.generate([ids for _, ids in batch], params)
+        for (kind, ids), sp, o in zip(batch, params, outs):
+            full = (ids + o.outputs[0].token_ids)[:max_len]
+            tokens += len(o.outputs[0].token_ids)
+            seqs.append({"kind": kind, "greedy": sp.temperature == 0.0, "ids": full})
+        done += len(batch)
+    elapsed = time.monotonic() - t0
+    return seqs, {"sequences": len(seqs), "generated_tokens": tokens, "seconds": round(elapsed, 1),
+                  "generated_tok_s": round(tokens / elapsed, 1)}
+
+
+def batches(seqs: list[dict[str, Any]], batch_tokens: int, rng: random.Random, pad: int):
+    """Endless shuffled batches of similar-length sequences, right-padded: (ids [B, L], lengths [B])."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]["ids"]))
+    groups, cur, width = [], [], 0
+    for i in order:
+        n = len(seqs[i]["ids"])
+        if cur and max(width, n) * (len(cur) + 1) > batch_tokens:
+            groups.append(cur)
+            cur, width = [], 0
+        cur.append(i)
+        width = max(width, n)
+    if cur:
+        groups.append(cur)
+    while True:
+        rng.shuffle(groups)
+        for g in groups:
+            width = max(len(seqs[i]["ids"]) for i in g)
+            ids = torch.full((len(g), width), pad, dtype=torch.long)
+            for row, i in enumerate(g):
+                ids[row, :len(seqs[i]["ids"])] = torch.tensor(seqs[i]["ids"])
+            yield ids, torch.tensor([len(seqs[i]["ids"]) for i in g])
+
+
+def shift_right(x: torch.Tensor) -> torch.Tensor:
+    """``x[:, t - 1]`` at ``t`` (zeros at 0): the hidden state the head reads at each position."""
+    return torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), dim=1)
+
+
+def chain_losses(head: LlamaDraftHead, target: Any, lm_head: torch.Tensor, ids: torch.Tensor,
+                 lengths: torch.Tensor, k: int, train: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """(loss, per pass the [B, L] bool of top-1 agreement with the target, the [B, L] mask of
+    positions with a next token)."""
+    with torch.no_grad():
+        h = dense_hidden(target, ids)
+        t_logits = F.linear(h, lm_head).float()
+        p = t_logits.softmax(-1)
+        t_top = t_logits.argmax(-1)
+        del t_logits
+        embeds = target.embed_tokens(ids)
+    mask = (torch.arange(ids.shape[1], device=ids.device)[None, :] < (lengths[:, None] - 1)).float()
+    denom = mask.sum().clamp(min=1.0)
+    hidden_in = shift_right(h)
+    loss = torch.zeros((), device=ids.device)
+    agree = []
+    for j in range(k):
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+            g = head.forward_dense(embeds.to(head.fc.weight.dtype), hidden_in.to(head.fc.weight.dtype))
+            logits = F.linear(g.to(lm_head.dtype), lm_head).float()
+        ce = -(p * logits.log_softmax(-1)).sum(-1)
+        reg = F.smooth_l1_loss(g.float(), h.float(), reduction="none").mean(-1)
+        loss = loss + (0.8 ** j) * ((ce + 0.5 * reg) * mask).sum() / denom
+        agree.append((logits.argmax(-1) == t_top) & mask.bool())
+        hidden_in = shift_right(g if train else g.detach())
+    return loss, agree, mask.bool()
+
+
+def tokens_per_step(agree: list[torch.Tensor], mask: torch.Tensor) -> dict[str, Any]:
+    """Teacher-forced: from each start position n, draft j (made at position n + j - 1 by pass j)
+    counts if it and every draft before it agree with the target."""
+    k, length = len(agree), mask.shape[1]
+    run = torch.ones_like(mask[:, :length - k + 1], dtype=torch.bool)
+    accepted = torch.zeros_like(run, dtype=torch.float32)
+    valid = mask[:, k - 1:]
+    for j in range(k):
+        run = run & agree[j][:, j:length - k + 1 + j]
+        accepted += run.float()
+    pos_rate = [float(agree[j][mask].float().mean()) for j in range(k)]
+    return {"tokens_per_step": 1.0 + float(accepted[valid].mean()) if valid.any() else 1.0,
+            "top1_agreement_per_pass": [round(x, 4) for x in pos_rate]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--target-name", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--weights", default=None, help="where to write the head (safetensors)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=12000)
+    ap.add_argument("--max-new", type=int, default=384)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--gen-seconds", type=float, default=170)
+    ap.add_argument("--train-seconds", type=float, default=260)
+    ap.add_argument("--batch-tokens", type=int, default=24576)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--round-size", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="CPU, seconds: checks the script end to end")
+    args = ap.parse_args()
+    if args.tiny:
+        args.prompts, args.max_new, args.max_len, args.gen_seconds, args.train_seconds = 24, 24, 160, 60, 15
+        args.batch_tokens, args.round_size, args.max_num_seqs = 1024, 12, 12
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    started = time.monotonic()
+    llm = LLM(args.model, device=device, dtype="bfloat16" if device == "cuda" else "float32",
+              max_model_len=args.max_len + 8, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192,
+              enable_prefix_caching=True, seed=args.seed)
+    target = llm.engine.model
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is not None
+    prompts = build_prompts(tokenizer, args.prompts, rng, max_prompt=args.max_len // 2)
+    seqs, gen = generate(llm, prompts, rng, args.max_new, args.max_len, args.gen_seconds, args.round_size)
+    print("generated", gen, flush=True)
+    seqs = [s for s in seqs if len(s["ids"]) >= 8]
+    rng.shuffle(seqs)
+    greedy = [s for s in seqs if s["greedy"]]
+    held = greedy[:max(2, len(seqs) // 25)]
+    held_ids = {id(s) for s in held}
+    train = [s for s in seqs if id(s) not in held_ids]
+
+    dev = torch.device(device)
+    lm_head = (target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight).detach()
+    head = LlamaDraftHead(target.args, target.args.num_layers, torch.float32).to(dev)
+    head.init_from_target(target)
+    params = [p for p in head.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    pad = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
+    data = batches(train, args.batch_tokens, rng, pad)
+    t0, step, losses, step_times = time.monotonic(), 0, [], []
+    warmup = 30
+    while time.monotonic() - t0 < args.train_seconds:
+        frac = (time.monotonic() - t0) / args.train_seconds
+        lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        ids, lengths = next(data)
+        ts = time.monotonic()
+        loss, _, _ = chain_losses(head, target, lm_head, ids.to(dev), lengths.to(dev), args.k, train=True)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(float(loss))
+        step_times.append(time.monotonic() - ts)
+        if step % 50 == 0:
+            print(f"step {step} loss {losses[-1]:.4f} lr {lr:.2e} t {time.monotonic() - t0:.0f}s", flush=True)
+        step += 1
+    for p in params:
+        p.requires_grad_(False)
+    evals: dict[str, Any] = {}
+    with torch.no_grad():
+        agree_all: list[list[torch.Tensor]] = [[] for _ in range(args.k)]
+        masks, stats = [], []
+        for s in held:
+            ids = torch.tensor([s["ids"]], device=dev)
+            _, agree, mask = chain_losses(head, target, lm_head, ids, torch.tensor([ids.shape[1]], device=dev),
+                                          args.k, train=False)
+            stats.append(tokens_per_step(agree, mask))
+        evals = {"held_out_greedy_sequences": len(held),
+                 "tokens_per_step_k%d_median" % args.k: round(median([x["tokens_per_step"] for x in stats]), 3),
+                 "tokens_per_step_k%d_mean" % args.k: round(sum(x["tokens_per_step"] for x in stats) / len(stats), 3),
+                 "top1_agreement_per_pass_mean": [round(sum(x["top1_agreement_per_pass"][j] for x in stats) / len(stats), 4)
+                                                  for j in range(args.k)]}
+    print("eval", evals, flush=True)
+    training = {"steps": step, "seconds": round(time.monotonic() - t0, 1), "train_sequences": len(train),
+                "train_tokens": sum(len(s["ids"]) for s in train), "k": args.k, "lr": args.lr,
+                "batch_tokens": args.batch_tokens, "loss_first": round(losses[0], 4) if losses else None,
+                "loss_last_50_median": round(median(losses[-50:]), 4) if losses else None,
+                "step_ms_median": round(1000 * median(step_times), 1) if step_times else None,
+                "parameters": sum(p.numel() for p in params)}
+    env = environment()
+    if args.weights:
+        from safetensors.torch import save_file
+        os.makedirs(os.path.dirname(os.path.abspath(args.weights)), exist_ok=True)
+        state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in head.state_dict().items()}
+        save_file(state, args.weights, metadata=head_metadata(
+            target.args, args.target_name, commit=env.get("commit", ""), device=env.get("device", ""),
+            training=training, eval=evals))
+        print("wrote", args.weights, flush=True)
+    result = {"environment": env, "target": args.target_name, "generation": gen, "training": training,
+              "eval_teacher_forced": evals, "kinds": {k: sum(1 for s in seqs if s["kind"] == k)
+                                                      for k in sorted({s["kind"] for s in seqs})},
+              "wall_s": round(time.monotonic() - started, 1)}
+    if args.out:
+        write_result(args.out, result)
+    print(result)
+
+
+if __name__ == "__main__":
+    main()
