@@ -213,11 +213,13 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--gen-seconds", type=float, default=170)
     ap.add_argument("--train-seconds", type=float, default=260)
-    ap.add_argument("--batch-tokens", type=int, default=24576)
+    ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--round-size", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-gib", type=int, default=6, help="the generating engine's KV (the rest is training's)")
+    ap.add_argument("--data", default=None, help="generated sequences: read if there, else written")
     ap.add_argument("--tiny", action="store_true", help="CPU, seconds: checks the script end to end")
     args = ap.parse_args()
     if args.tiny:
@@ -229,12 +231,18 @@ def main() -> None:
     started = time.monotonic()
     llm = LLM(args.model, device=device, dtype="bfloat16" if device == "cuda" else "float32",
               max_model_len=args.max_len + 8, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192,
-              enable_prefix_caching=True, seed=args.seed)
+              enable_prefix_caching=True, seed=args.seed,
+              kv_cache_memory_bytes=args.kv_cache_gib << 30 if device == "cuda" else None)
     target = llm.engine.model
     tokenizer = llm.get_tokenizer()
     assert tokenizer is not None
     prompts = build_prompts(tokenizer, args.prompts, rng, max_prompt=args.max_len // 2)
-    seqs, gen = generate(llm, prompts, rng, args.max_new, args.max_len, args.gen_seconds, args.round_size)
+    if args.data and os.path.exists(args.data):
+        seqs, gen = torch.load(args.data)
+    else:
+        seqs, gen = generate(llm, prompts, rng, args.max_new, args.max_len, args.gen_seconds, args.round_size)
+        if args.data:
+            torch.save((seqs, gen), args.data)
     print("generated", gen, flush=True)
     seqs = [s for s in seqs if len(s["ids"]) >= 8]
     rng.shuffle(seqs)
@@ -267,7 +275,7 @@ def main() -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         step_times.append(time.monotonic() - ts)
         if step % 50 == 0:
             print(f"step {step} loss {losses[-1]:.4f} lr {lr:.2e} t {time.monotonic() - t0:.0f}s", flush=True)

@@ -71,10 +71,13 @@ class LlamaDraftHead(nn.Module):
         return rms_norm_ref(x, self.norm.weight, eps)[0]
 
     def init_from_target(self, target: LlamaForCausalLM) -> None:
-        """Training start: the decoder layer and norm copied from the target's last, ``fc`` taking
-        the hidden state half through (the head starts as one more target layer)."""
+        """Training start: the decoder layer copied from the target's last with its two output
+        projections zeroed (the layer starts as the identity and learns its updates), ``fc``
+        taking the hidden state half through, so the head starts from ``g_t = h_{t-1}``."""
         with torch.no_grad():
             self.layer.load_state_dict(target.layers[-1].state_dict())
+            self.layer.self_attn.o_proj.weight.zero_()
+            self.layer.mlp.down_proj.weight.zero_()
             self.norm.weight.copy_(target.norm.weight)
             self.enorm.weight.fill_(1.0)
             self.hnorm.weight.fill_(1.0)
