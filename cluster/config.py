@@ -43,23 +43,28 @@ class ModelConfig:
     #: a tokenizer, but no weights).
     load_format: str = "auto"
     #: Speculative decoding on decode (and colocated) engines; prefill engines never draft.
-    #: "none", or "ngram" (prompt lookup: the tokens that followed the latest earlier match of
-    #: the context's last n tokens, n from prompt_lookup_max down to prompt_lookup_min).
-    #: "draft_head", "mtp" and "dspark" are refused until they are built.
+    #: "none"; "ngram" (prompt lookup: the tokens that followed the latest earlier match of the
+    #: context's last n tokens, n from prompt_lookup_max down to prompt_lookup_min);
+    #: "draft_head" (a one-layer head over the model's last hidden state, Llama family: prefill
+    #: engines run it over the prompt and hand its state to decode). "mtp" and "dspark" are
+    #: refused until they are built.
     speculative_method: SpeculativeMethod = "none"
     #: Draft tokens proposed per step (k): each verify step computes 1 + k positions.
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    #: draft_head weights (a safetensors file from bench/train_draft_head.py); None: the head
+    #: shipped for the model (cluster/models/draft_heads: "smollm2").
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
         _choice("load_format", self.load_format, ("auto", "dummy"))
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _choice("speculative_method", self.speculative_method, typing.get_args(SpeculativeMethod))
-        if self.speculative_method in ("draft_head", "mtp", "dspark"):
+        if self.speculative_method in ("mtp", "dspark"):
             raise UnsupportedSettingError(
-                f"speculative_method={self.speculative_method!r} is not built yet; use 'ngram' or 'none'",
+                f"speculative_method={self.speculative_method!r} is not built yet; use 'ngram', 'draft_head' or 'none'",
                 param="speculative_method")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:

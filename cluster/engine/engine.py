@@ -23,6 +23,7 @@ from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.cuda_graphs import GraphStatus
+from cluster.engine.draft_runner import DraftHeadRunner
 from cluster.engine.model_runner import KVAllocator, ModelRunner, plan_num_blocks
 from cluster.engine.intake import Intake
 from cluster.engine.output_processor import OutputProcessor, RequestGroup
@@ -31,6 +32,9 @@ from cluster.engine.remote_kv import RemoteKV
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec_decode import Proposer, SpecDecodeStats, make_proposer
 from cluster.engine.step_loop import StepLoop
+from cluster.common.kv_spec import KVGroupSpec
+from cluster.models.draft_head import DEFAULT_DRAFT_HEADS, default_draft_head_path, load_draft_head
+from cluster.models.ops import REFERENCE_OPS
 from cluster.models.registry import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,16 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def draft_head_kv_specs(specs: list[KVGroupSpec]) -> list[KVGroupSpec]:
+    """The KV groups with the draft head's layer added to the full-attention group (the head's
+    KV at a position depends on the same tokens as the model's: same blocks, same keys)."""
+    if len(specs) != 1 or specs[0].kind != "full":
+        raise UnsupportedSettingError(
+            "speculative_method='draft_head' needs a model with one full-attention KV group (the Llama "
+            f"family); this one has {', '.join(f'{s.name} ({s.kind})' for s in specs)}", param="speculative_method")
+    return [dataclasses.replace(specs[0], num_layers=specs[0].num_layers + 1)]
 
 
 class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
@@ -143,6 +157,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         self.proposer: Proposer | None = None
         self.spec_stats: SpecDecodeStats | None = None
         method = self.model_config.speculative_method
+        if method == "draft_head":  # prefill engines too: they fill the head's KV and hand it over
+            self._init_draft_head()
         if method == "none" or self.scheduler_config.prefill_only:
             return
         fixed = sorted({s.kind for s in self.kv_specs} - {"full", "sliding_window"})
@@ -160,6 +176,22 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
             "speculative decoding: %s, %d draft tokens per step%s", method,
             self.model_config.num_speculative_tokens, note)
 
+    def _init_draft_head(self) -> None:
+        """Load the draft head (its KV: the last layer of the full-attention group, added by
+        ``draft_head_kv_specs``) and give the runner its DraftHeadRunner."""
+        path = self.model_config.speculative_model or default_draft_head_path(self.model_config.model)
+        if path is None:
+            raise UnsupportedSettingError(
+                f"speculative_method='draft_head' needs speculative_model (a head's weights) for model "
+                f"{self.model_config.model!r}: only {', '.join(sorted(DEFAULT_DRAFT_HEADS))} ships one",
+                param="speculative_model")
+        layers = self.kv_specs[0].num_layers - 1
+        head = load_draft_head(path, self.model, layers, self.dtype, self.device, getattr(self.model, "ops", REFERENCE_OPS))
+        self.runner.drafter = DraftHeadRunner(head, self.model, self.runner.kv_caches, self.cache_config.block_size,
+                                              self.device)
+        logger.info("draft head %s loaded (%d parameters, KV as layer %d of group %s)", path,
+                    sum(p.numel() for p in head.parameters()), layers, self.kv_specs[0].name)
+
     def _init_scheduler_config(self, config: SchedulerConfig) -> SchedulerConfig:
         model_len = int(self.model.max_position_embeddings)
         wanted = self.model_config.max_model_len
@@ -175,6 +207,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         cache, sched = self.cache_config, self.scheduler_config
         kv_dtype = str(self.dtype).removeprefix("torch.")
         self.kv_specs = self.model.kv_cache_specs(cache.block_size, kv_dtype)
+        if self.model_config.speculative_method == "draft_head":
+            self.kv_specs = draft_head_kv_specs(self.kv_specs)
         memory = cache.kv_cache_memory_bytes or self._default_kv_bytes()
         planned = plan_num_blocks(self.kv_specs, memory, sched.max_num_seqs,
                                   sched.max_num_batched_tokens, sched.max_model_len)
@@ -223,6 +257,11 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
                 reason += "; pipelined decode off"
             rows.append({"component": "speculative_decoding", "op": "verify_step", "impl": self.proposer.name,
                          "device": device, "role": "draft", "format": "-", "reason": reason})
+        if self.runner.drafter is not None:
+            rows.append({"component": "draft_head", "op": "draft_pass", "impl": "eager",
+                         "device": device, "role": "draft", "format": str(self.dtype).removeprefix("torch."),
+                         "reason": "the head's passes run eagerly (no CUDA graph for them yet), through the "
+                                   "model's attention kernel; drafts are greedy"})
         return rows
 
     def metrics(self) -> dict[str, float]:
@@ -243,4 +282,6 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
                "eager_steps_total": float(self.runner.num_eager_steps)}
         if self.spec_stats is not None:
             out.update(self.spec_stats.counters())
+        if self.runner.drafter is not None:
+            out.update(self.runner.drafter.counters())
         return out

@@ -181,5 +181,7 @@ class Intake:
             self._sample_group.pop(s.request_id, None)
             if self.proposer is not None:
                 self.proposer.forget(s.request_id)
+            if self.runner.drafter is not None:
+                self.runner.drafter.forget(s.request_id)
         if emit:
             self._pending.append(group.delta())

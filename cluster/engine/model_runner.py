@@ -16,6 +16,7 @@ from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
 from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
 from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, GraphUnsafeError
+from cluster.engine.draft_runner import DraftHeadRunner, DraftJob
 from cluster.engine.sampler import Sampler, SamplingRow, to_device
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from cluster.models.context import ForwardContext
@@ -57,6 +58,8 @@ class ModelRunner:
         else:
             self.kv_caches = kv_allocator(specs, num_blocks, device, dtypes)
         self.graphs: DecodeGraphs | None = None
+        #: The draft head's runner (speculative_method=draft_head), set by the engine.
+        self.drafter: DraftHeadRunner | None = None
         self.graph_status = GraphStatus(reason="not captured")
         #: Forward passes replayed from a decode graph / run eagerly (metrics, benchmarks).
         self.num_graph_steps = 0
@@ -108,6 +111,8 @@ class ModelRunner:
         the request, and the other samples that draw their first token from the same logits row,
         each with its own seed and sample index)."""
         hidden, sample_rows = self.forward(sched)
+        if self.drafter is not None:  # the chunks' hidden states feed the draft head (and its KV)
+            self.drafter.observe(sched.scheduled, sched.block_tables, hidden)
         out = RunnerOutput()
         if not sample_rows:
             return out
@@ -128,6 +133,12 @@ class ModelRunner:
                 out.sampled[rid] = token
                 out.logprobs[rid] = lp
         return out
+
+    @torch.inference_mode()
+    def propose(self, jobs: list[DraftJob], block_tables: dict[str, list[list[int]]]) -> dict[str, list[int]]:
+        """Draft tokens with the draft head for a step whose slots are allocated."""
+        assert self.drafter is not None
+        return self.drafter.propose(jobs, block_tables)
 
     def can_launch(self, sched: SchedulerOutput) -> bool:
         """Whether ``launch`` can run this step: every request decodes one token and samples it

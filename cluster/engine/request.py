@@ -71,6 +71,9 @@ class Request:
     #: Draft tokens proposed to follow the request's tokens, verified by the next step
     #: (speculative decoding; see cluster.engine.spec_decode). Never part of its tokens.
     spec_token_ids: list[int] = field(default_factory=list)
+    #: Prefill role with a draft head: the target's hidden state at the prompt's last position
+    #: (float32 bytes), handed to the decode worker with the first token.
+    draft_hidden: bytes | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -94,11 +94,29 @@ def ngram_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int
     return []
 
 
+class DraftHeadProposer:
+    """The draft head drafts on the device once the step's slots are allocated
+    (cluster.engine.draft_runner): before scheduling, a request that will draft gets ``k``
+    placeholder drafts (the scheduler sizes its step by them), replaced by the head's tokens
+    after scheduling, before the step's inputs are built."""
+
+    name = "draft_head"
+    device_side = True
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        return [0] * k
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
 def make_proposer(config: ModelConfig) -> Proposer | None:
     if config.speculative_method == "none":
         return None
     if config.speculative_method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.speculative_method == "draft_head":
+        return DraftHeadProposer()
     raise AssertionError(f"speculative_method={config.speculative_method!r} passed validation")
 
 

@@ -20,6 +20,7 @@ from cluster.engine.pipeline import InFlightStep
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import SamplingRow
 from cluster.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from cluster.engine.draft_runner import DraftJob
 from cluster.engine.spec_decode import Proposer, SpecDecodeStats, accepted_length
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class StepLoop:
             if self.proposer is not None:
                 self._propose()
             sched = self.scheduler.schedule()
+            if getattr(self.proposer, "device_side", False):
+                self._draft_on_device(sched)
         self._begin(sched)
         for request in sched.failed:
             self._mark_changed(request)
@@ -167,6 +170,9 @@ class StepLoop:
                 continue
             self.scheduler.mark_computed(s)
             token = result.sampled.get(request.request_id)
+            if token is not None and self.scheduler_config.prefill_only and self.runner.drafter is not None:
+                hidden = self.runner.drafter.last_hidden(request.request_id)  # for the decode worker
+                request.draft_hidden = None if hidden is None else hidden.numpy().tobytes()
             if token is not None:
                 self._take_token(request, token, result.logprobs.get(request.request_id))
 
@@ -205,6 +211,22 @@ class StepLoop:
                 room = min(room, r.max_tokens - r.num_output_tokens - 1)
             if room > 0:
                 r.spec_token_ids = proposer.propose(r, room)
+
+    def _draft_on_device(self, sched: SchedulerOutput) -> None:
+        """Replace the placeholder drafts of the scheduled verify steps with the draft head's."""
+        jobs = []
+        for s in sched.scheduled:
+            r = s.request
+            if r.spec_token_ids and s.num_computed_tokens == r.num_tokens - 1 \
+                    and s.num_new_tokens == 1 + len(r.spec_token_ids):
+                jobs.append(DraftJob(r.request_id, r.num_tokens - 1, r.all_token_ids[-1], len(r.spec_token_ids)))
+            else:
+                r.spec_token_ids = []
+        if jobs:
+            drafts = self.runner.propose(jobs, sched.block_tables)
+            for s in sched.scheduled:
+                if s.request.request_id in drafts:
+                    s.request.spec_token_ids = drafts[s.request.request_id]
 
     def _take_token(self, request: Request, token: int, logprobs: PositionLogprobs | None) -> None:
         """Append a sampled token to ``request``, then its stop checks and output bookkeeping."""

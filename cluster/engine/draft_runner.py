@@ -1,0 +1,212 @@
+"""DraftHeadRunner: runs the draft head (cluster.models.draft_head) next to the target model, on
+the same device and KV storage (its KV is one more layer of the target's full-attention group).
+
+The head's KV at position ``p`` is computed from the token ``x_p`` and the target's hidden state
+at ``p - 1``. Per request the runner keeps what the head has not consumed yet (``DraftState``):
+the first position ``start`` whose draft KV is not written, the target's hidden states from
+``start - 1`` on and the tokens from ``start`` on, up to what the target has computed.
+
+- After every target forward (``observe``): the chunk's hidden states and tokens are appended
+  (first cut back to the chunk's start: a verify step's rejected positions, a preemption's
+  recompute), and requests that do not draft this step catch up: one batched pass over their
+  pending positions writes the draft KV (a prefill chunk's whole length, a plain decode's one).
+- Before a verify step (``propose``, once the scheduler has allocated its ``1 + k`` slots): one
+  pass over each request's pending positions up to its newest token, whose last row gives the
+  first draft, then ``k - 1`` chained one-token passes, each reading the previous pass's output
+  in place of the target's hidden state. Drafts are greedy (argmax): a one-hot draft
+  distribution, which the verifier's rule accepts with the target's probability.
+- Disaggregated: a prefill engine runs the head over the prompt (the draft KV travels with the
+  rest of the blocks) and hands the hidden state at the prompt's last position to the decode
+  engine (``last_hidden`` -> ``seed``), which drafts from its first step with nothing recomputed.
+
+A request with no state and tokens before its chunk (a prefix-cache hit, a remote prefill
+without a hand-over) starts with a zero hidden state at the position before: only the draft
+layer's KV at that one position is approximate (acceptance, never output, can change:
+``num_cold_starts`` counts them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from cluster.models.context import ForwardContext
+
+
+@dataclass
+class DraftState:
+    start: int
+    #: The target's hidden states at positions ``start - 1`` on ``[L, H]``.
+    hidden: torch.Tensor
+    #: Tokens at positions ``start`` on.
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DraftJob:
+    """Draft ``num_tokens`` tokens after ``token``, the request's newest, at ``position``."""
+    request_id: str
+    position: int
+    token: int
+    num_tokens: int
+
+
+class DraftHeadRunner:
+    def __init__(self, head: Any, target: Any, kv_caches: list[torch.Tensor], block_size: int,
+                 device: torch.device) -> None:
+        self.head = head
+        self.target = target
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.hidden_size = int(head.args.hidden_size)
+        self.states: dict[str, DraftState] = {}
+        #: Totals (metrics, tests): head passes, positions they computed, states handed over by a
+        #: prefill engine, states started without the hidden state before them.
+        self.num_passes = 0
+        self.num_positions = 0
+        self.num_seeded = 0
+        self.num_cold_starts = 0
+
+    # --- state -----------------------------------------------------------------------------------
+
+    def forget(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def seed(self, request_id: str, position: int, hidden: torch.Tensor) -> None:
+        """A prefill engine computed the draft KV below ``position`` and the target's ``hidden``
+        state at ``position - 1``."""
+        self.states[request_id] = DraftState(position, hidden.reshape(1, -1).to(self.device, self.head.fc.weight.dtype))
+        self.num_seeded += 1
+
+    def last_hidden(self, request_id: str) -> torch.Tensor | None:
+        """The target's hidden state before the first position the draft KV lacks, if every
+        position the target computed has its draft KV (a prefill engine's hand-over)."""
+        st = self.states.get(request_id)
+        if st is None or st.tokens or st.hidden.shape[0] != 1:
+            return None
+        return st.hidden[0].float().cpu()
+
+    def _state(self, request_id: str, position: int) -> DraftState:
+        """The request's state, cut back so it covers positions below ``position`` only."""
+        st = self.states.get(request_id)
+        if st is not None and st.start - 1 <= position and st.start - 1 + st.hidden.shape[0] >= position:
+            st.hidden = st.hidden[:position - st.start + 1]
+            st.tokens = st.tokens[:max(0, position - st.start)]
+            return st
+        if position > 0:
+            self.num_cold_starts += 1
+        st = DraftState(position, torch.zeros((1, self.hidden_size), dtype=self.head.fc.weight.dtype,
+                                              device=self.device))
+        self.states[request_id] = st
+        return st
+
+    # --- passes ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def observe(self, scheduled: Sequence[Any], block_tables: dict[str, list[list[int]]],
+                hidden: torch.Tensor) -> None:
+        """After the target's forward over ``scheduled`` (rows of ``hidden`` in their order):
+        record each chunk, then catch up the requests that verify no drafts this step."""
+        row = 0
+        catch_up: list[tuple[str, DraftState]] = []
+        for s in scheduled:
+            n = s.num_new_tokens
+            start = s.num_computed_tokens
+            st = self._state(s.request_id, start)
+            rows = hidden[row:row + n]
+            row += n
+            st.hidden = torch.cat((st.hidden, rows[max(0, st.start - 1 - start):].to(st.hidden.dtype)))
+            st.tokens = st.tokens + list(s.token_ids)[max(0, st.start - start):]
+            if not s.draft_token_ids and st.tokens:
+                catch_up.append((s.request_id, st))
+        if catch_up:
+            seqs = [(st.start, st.tokens, st.hidden[:-1], block_tables[rid][0]) for rid, st in catch_up]
+            self._pass(seqs)
+            for _, st in catch_up:
+                st.start += len(st.tokens)
+                st.hidden = st.hidden[-1:]
+                st.tokens = []
+
+    @torch.inference_mode()
+    def propose(self, jobs: Sequence[DraftJob], block_tables: dict[str, list[list[int]]]) -> dict[str, list[int]]:
+        """Draft for a verify step whose slots are allocated (``block_tables``)."""
+        if not jobs:
+            return {}
+        seqs, states = [], []
+        for job in jobs:
+            st = self._state(job.request_id, job.position)
+            if st.hidden.shape[0] != job.position - st.start + 1:  # the target has not computed up to here
+                st = self._restart(job.request_id, job.position)
+            st.tokens = st.tokens + [job.token]
+            seqs.append((st.start, st.tokens, st.hidden, block_tables[job.request_id][0]))
+            states.append(st)
+        g = self._pass(seqs, last_rows=True)  # [B, H]: each request's newest position
+        drafts = [self._argmax(g)]
+        for j in range(1, max(job.num_tokens for job in jobs)):
+            live = [i for i, job in enumerate(jobs) if job.num_tokens > j]  # no slot past a request's drafts
+            index = torch.tensor(live, dtype=torch.long, device=self.device)
+            g_live, prev = g.index_select(0, index), drafts[-1].index_select(0, index)
+            seqs = [(jobs[i].position + j, prev[n:n + 1], g_live[n:n + 1], block_tables[jobs[i].request_id][0])
+                    for n, i in enumerate(live)]
+            g_next = self._pass(seqs, last_rows=True)
+            g = g.index_copy(0, index, g_next)
+            drafts.append(drafts[-1].index_copy(0, index, self._argmax(g_next)))
+        table = torch.stack(drafts, dim=1).tolist()  # the one host sync of the proposal
+        out = {}
+        for job, st, row in zip(jobs, states, table):
+            st.start = job.position + 1
+            st.hidden = st.hidden[:0]
+            st.tokens = []
+            out[job.request_id] = row[:job.num_tokens]
+        return out
+
+    def _restart(self, request_id: str, position: int) -> DraftState:
+        self.states.pop(request_id, None)
+        return self._state(request_id, position)
+
+    def _argmax(self, g: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(g).argmax(dim=-1)
+
+    def _pass(self, seqs: list[tuple[int, Any, torch.Tensor, list[int]]], last_rows: bool = False) -> torch.Tensor:
+        """One head forward over sequences (start position, tokens, target hidden rows, block
+        table row); returns every row's output, or (``last_rows``) each sequence's last."""
+        counts = np.array([len(t) for _, t, _, _ in seqs], dtype=np.int64)
+        starts = np.array([s for s, _, _, _ in seqs], dtype=np.int64)
+        qsl = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:])
+        seq_index = np.repeat(np.arange(len(seqs)), counts)
+        positions = starts[seq_index] + (np.arange(int(qsl[-1])) - qsl[:-1][seq_index])
+        width = max(len(t) for _, _, _, t in seqs)
+        tables = np.zeros((len(seqs), max(1, width)), dtype=np.int32)
+        for i, (_, _, _, t) in enumerate(seqs):
+            tables[i, :len(t)] = t
+        bs = self.block_size
+        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (starts + counts).astype(np.int32)
+        dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+        ctx = ForwardContext(positions=to_dev(positions), query_start_loc=to_dev(qsl), seq_lens=to_dev(seq_lens),
+                             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
+                             kv_caches=self.kv_caches, block_tables=[to_dev(tables)], slot_mappings=[to_dev(slots)],
+                             block_sizes=[bs])
+        ids = [t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.long) for _, t, _, _ in seqs]
+        input_ids = torch.cat([i.to(dev) for i in ids]) if len(ids) > 1 else ids[0].to(dev)
+        hidden = torch.cat([h for _, _, h, _ in seqs]) if len(seqs) > 1 else seqs[0][2]
+        embeds = self.target.embed_tokens(input_ids).to(hidden.dtype)
+        g = self.head(embeds, hidden, ctx)
+        self.num_passes += 1
+        self.num_positions += int(qsl[-1])
+        if last_rows:
+            return g.index_select(0, to_dev((qsl[1:] - 1).astype(np.int64)))
+        return g
+
+    def counters(self) -> dict[str, float]:
+        return {"draft_head_passes_total": float(self.num_passes),
+                "draft_head_positions_total": float(self.num_positions),
+                "draft_head_states_handed_over_total": float(self.num_seeded),
+                "draft_head_cold_starts_total": float(self.num_cold_starts)}
