@@ -160,7 +160,8 @@ class DecodeWorker:
             timings.update(result.timings)
             timings["transfer_wait"] = time.monotonic() - returned
             timings["kv_ready"] = time.monotonic() - start
-            if await self.engine.finish_remote(rid, result.first_token, result.logprobs, result.others):
+            if await self.engine.finish_remote(rid, result.first_token, result.logprobs, result.others,
+                                               draft_hidden=result.draft_hidden):
                 self.lifecycle.advance(group_id, DecodeState.RECEIVING, DecodeState.DECODING, deadline)
             timings["num_cached_tokens"] = float(result.num_cached_tokens)
         except asyncio.CancelledError:

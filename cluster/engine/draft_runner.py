@@ -81,6 +81,13 @@ class DraftHeadRunner:
         self.states[request_id] = DraftState(position, hidden.reshape(1, -1).to(self.device, self.head.fc.weight.dtype))
         self.num_seeded += 1
 
+    def fork(self, parent: str, child: str, position: int) -> None:
+        """``child`` took ``parent``'s prompt KV (a sample of the same request): it starts from
+        the same hidden state, if the parent's state is still at the prompt's end."""
+        st = self.states.get(parent)
+        if st is not None and st.start == position and st.hidden.shape[0] == 1 and not st.tokens:
+            self.states[child] = DraftState(position, st.hidden.clone())
+
     def last_hidden(self, request_id: str) -> torch.Tensor | None:
         """The target's hidden state before the first position the draft KV lacks, if every
         position the target computed has its draft KV (a prefill engine's hand-over)."""

@@ -137,6 +137,8 @@ class Intake:
             if copies is None:
                 return False
             self.runner.copy_blocks(copies)
+            if self.runner.drafter is not None:
+                self.runner.drafter.fork(first.request_id, sample.request_id, first.num_prompt_tokens)
             self.num_forked_samples += 1
         self._take_token(sample, token, logprobs)
         return True

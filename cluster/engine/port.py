@@ -143,10 +143,13 @@ class EnginePort:
         return await self._loop.run(attempt)
 
     async def finish_remote(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None,
-                            others: Sequence[tuple[int, PositionLogprobs | None]] = ()) -> bool:
+                            others: Sequence[tuple[int, PositionLogprobs | None]] = (),
+                            draft_hidden: bytes | None = None) -> bool:
         """Decode role: the prompt's KV has landed; sample 0 takes ``first_token`` and the other
-        samples fork it with theirs. False if the request is gone."""
-        return await self._loop.run(lambda e: e.finish_remote_prefill(request_id, first_token, logprobs, others))
+        samples fork it with theirs (``draft_hidden``: the draft head's start). False if the
+        request is gone."""
+        return await self._loop.run(lambda e: e.finish_remote_prefill(request_id, first_token, logprobs, others,
+                                                                      draft_hidden))
 
     async def fail_remote(self, request_id: str, reason: str, fallback: bool) -> None:
         """Decode role: the remote prefill failed: prefill here (``fallback``) or fail the request."""

@@ -13,10 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import torch
+
 from cluster.common.errors import ErrorKind, InvalidRequestError
 from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.config import SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.model_runner import ModelRunner
 from cluster.engine.output_processor import RequestGroup
 from cluster.engine.request import RequestStatus
 from cluster.engine.scheduler import Scheduler
@@ -33,6 +36,7 @@ class RemoteKV:
     _changed: dict[str, RequestGroup]
     _first_tokens: dict[str, tuple[int, PositionLogprobs | None]]
     _quarantine: list[tuple[float, list[list[int]]]]
+    runner: ModelRunner
 
     def reserve_remote(self, group: RequestGroup) -> bool:
         """Reserve KV blocks for sample 0 of a request whose prompt another worker prefills; the
@@ -46,7 +50,8 @@ class RemoteKV:
         return True
 
     def finish_remote_prefill(self, request_id: str, first_token: int, logprobs: PositionLogprobs | None,
-                              others: Sequence[tuple[int, PositionLogprobs | None]] = ()) -> bool:
+                              others: Sequence[tuple[int, PositionLogprobs | None]] = (),
+                              draft_hidden: bytes | None = None) -> bool:
         """The prompt's KV is in the reserved blocks and the prefill worker sampled ``first_token``
         (and ``others``: the first tokens of samples 1..n-1, drawn from the same logits): the
         request joins the running batch and its other samples fork its KV. False if the request
@@ -55,6 +60,10 @@ class RemoteKV:
         if request is None:
             return False
         group = self._sample_group[request_id]
+        drafter = self.runner.drafter
+        if drafter is not None and draft_hidden is not None:  # the head starts where the prompt ends
+            drafter.seed(request_id, request.num_computed_tokens,
+                         torch.frombuffer(bytearray(draft_hidden), dtype=torch.float32))
         for sample, drawn in zip(group.samples[1:], others):
             self._first_tokens[sample.request_id] = drawn
         self._take_token(request, first_token, logprobs)

@@ -97,7 +97,8 @@ class PrefillWorker:
             first_logprobs = completion.logprobs[0] if completion.logprobs else None
             self.prefills_completed += 1
             return PrefillResult(completion.token_ids[0], first_logprobs, final.num_cached_tokens,
-                                 job.bytes_sent, timings, sender_node=self.backend.node_id, others=others)
+                                 job.bytes_sent, timings, sender_node=self.backend.node_id, others=others,
+                                 draft_hidden=request.draft_hidden)
         finally:
             job.cancelled = True  # the engine thread stops writing for it from now on
             with self._jobs_lock:
