@@ -209,7 +209,7 @@ def test_refused_where_the_kv_cannot_roll_back(tmp_path):
     with pytest.raises(UnsupportedSettingError, match="roll"):
         LLM(path, block_size=4, speculative_method="ngram")
     with pytest.raises(UnsupportedSettingError, match="not built yet"):
-        LLM(path, speculative_method="draft_head")
+        LLM(path, speculative_method="mtp")
     with pytest.raises(UnsupportedSettingError, match="prompt_lookup_max"):
         LLM(path, speculative_method="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
 

@@ -1,0 +1,323 @@
+"""speculative_method=draft_head: the head's paged forward equals its dense (training) forward, the
+dense target forward equals the engine's, and with a head trained here on a small random model's
+own greedy text (so its drafts are often right) the output equals decoding without speculation
+token for token, through chunked prefill, prefix caching, preemption, n samples, penalties,
+stop strings, logprobs and aborts, with every block freed. The committed SmolLM2 head gives real
+acceptance; bad head files and models it cannot serve are refused by name; a prefill engine
+hands the head's state to decode, which then recomputes nothing of the prompt."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from cluster import LLM, SamplingParams
+from cluster.common.errors import ModelLoadError, UnsupportedSettingError
+from cluster.engine.draft_runner import DraftHeadRunner
+from cluster.models.context import ForwardContext
+from cluster.models.draft_head import LlamaDraftHead, dense_hidden, head_metadata
+from tests.factories import engine_logits, make_checkpoint, mixed_prompts
+
+K = 3
+
+
+def train_head(llm: LLM, seqs: list[list[int]], steps: int, seed: int = 0) -> LlamaDraftHead:
+    from bench.train_draft_head import chain_losses
+    torch.manual_seed(seed)
+    target = llm.engine.model
+    head = LlamaDraftHead(target.args, target.args.num_layers, torch.float32)
+    head.init_from_target(target)
+    dev = target.embed_tokens.weight.device
+    head = head.to(dev)
+    params = list(head.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95))
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+    ids, lengths = ids.to(dev), torch.tensor([len(s) for s in seqs], device=dev)
+    for _ in range(steps):
+        loss, _, _ = chain_losses(head, target, target.embed_tokens.weight, ids, lengths, K, train=True)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    for p in params:
+        p.requires_grad_(False)
+    return head
+
+
+def save_head(head: LlamaDraftHead, path: str, **meta) -> str:
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, path,
+              metadata=head_metadata(head.args, "tiny-random", **meta))
+    return path
+
+
+def train_prompts() -> list[list[int]]:
+    return mixed_prompts(300, (5, 9, 17, 30) * 5, seed=4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A small random Llama and a draft head trained on its own greedy continuations."""
+    root = tmp_path_factory.mktemp("draft")
+    path = str(root / "llama")
+    make_checkpoint(path, "llama", seed=11)
+    llm = LLM(path, block_size=4)
+    prompts = train_prompts()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+    head = train_head(llm, [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)], steps=120)
+    return path, save_head(head, str(root / "head.safetensors"))
+
+
+def summary(outputs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+              [sorted((t, round(lp.logprob, 4)) for t, lp in p.items()) for p in (c.logprobs or [])])
+             for c in o.outputs] for o in outputs]
+
+
+def head_llm(tiny, **kwargs) -> LLM:
+    path, head = tiny
+    return LLM(path, block_size=4, speculative_method="draft_head", num_speculative_tokens=K,
+               speculative_model=head, **kwargs)
+
+
+# --- the head's forwards ----------------------------------------------------------------------------
+
+def test_paged_forward_over_chunks_equals_the_dense_forward(tiny):
+    llm = LLM(tiny[0], block_size=4, speculative_method="draft_head", speculative_model=tiny[1])
+    engine = llm.engine
+    drafter: DraftHeadRunner = engine.runner.drafter
+    head, target = drafter.head, engine.model
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 300, (23,), generator=gen)
+    hidden = torch.randn(23, target.args.hidden_size, generator=gen)
+    with torch.no_grad():
+        want = head.forward_dense(target.embed_tokens(ids)[None], hidden[None])[0]
+    table = list(range(1, 8))  # blocks 1..7 of 4 tokens: positions 0..27
+    got = []
+    for start, end in ((0, 9), (9, 10), (10, 23)):  # a chunk, one token, the rest
+        seqs = [(start, ids[start:end].tolist(), hidden[start:end], table)]
+        got.append(drafter._pass(seqs))
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_target_forward_equals_the_engine(tiny):
+    llm = LLM(tiny[0], block_size=4)
+    ids = mixed_prompts(300, (21,), seed=6)[0]
+    model = llm.engine.model
+    with torch.no_grad():
+        dense = model.compute_logits(dense_hidden(model, torch.tensor([ids]))[0])
+    torch.testing.assert_close(dense, engine_logits(llm, ids, chunk=8), rtol=1e-4, atol=1e-4)
+
+
+# --- exact output -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["plain", "chunked", "no_prefix_cache", "preempting"])
+def test_draft_head_equals_no_speculation(tiny, case):
+    prompts = train_prompts()[:8] + mixed_prompts(300, (6, 25), seed=9)
+    prompts.append(prompts[3][:16] + [11, 12])  # a prefix hit on prompt 3's blocks
+    settings = {"plain": {}, "chunked": {"max_num_batched_tokens": 8},
+                "no_prefix_cache": {"enable_prefix_caching": False},
+                "preempting": {"num_kv_blocks": 60, "max_num_batched_tokens": 32}}[case]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=30, n=3),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),  # max_tokens inside a run
+        SamplingParams(temperature=1.0, seed=2, max_tokens=25, repetition_penalty=1.2, presence_penalty=0.3,
+                       frequency_penalty=0.2, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=9, min_tokens=12, max_tokens=20, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=30, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=36, n=2, ignore_eos=True),
+    ]
+    params = [params[i % len(params)] for i in range(len(prompts))]
+    want = summary(LLM(tiny[0], block_size=4, **settings).generate(prompts, params))
+    llm = head_llm(tiny, **settings)
+    assert summary(llm.generate(prompts, params)) == want
+    engine = llm.engine
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens > max(20, 0.05 * stats.num_draft_tokens)  # the trained head is right at times
+    if case == "preempting":
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.kv.usage == 0.0 and not engine.runner.drafter.states
+
+
+def test_stop_strings_inside_an_accepted_run(tiny):
+    prompts = train_prompts()[:3]
+    base = LLM(tiny[0], block_size=4).generate(prompts, SamplingParams(temperature=0.0, max_tokens=40,
+                                                                         ignore_eos=True))
+    params = []
+    for o in base:
+        text = o.outputs[0].text
+        params.append(SamplingParams(temperature=0.0, max_tokens=40, stop=[text[len(text) // 2:len(text) // 2 + 3]],
+                                     ignore_eos=True))
+    params[2] = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[base[2].outputs[0].token_ids[17]])
+    want = summary(LLM(tiny[0], block_size=4).generate(prompts, params))
+    assert summary(head_llm(tiny).generate(prompts, params)) == want
+
+
+def test_many_requests_with_aborts_free_every_block(tiny):
+    llm = head_llm(tiny, max_num_batched_tokens=32)
+    engine = llm.engine
+    rng = random.Random(5)
+    prompts = train_prompts()
+    ids = itertools.count()
+    live: list[str] = []
+    for _ in range(200):
+        rid = f"a{next(ids)}"
+        engine.add_request(rid, rng.choice(prompts), SamplingParams(temperature=rng.choice([0.0, 0.9]),
+                                                                   max_tokens=rng.randrange(1, 30), seed=rng.randrange(9)))
+        live.append(rid)
+        for _ in range(rng.randrange(0, 3)):
+            engine.step()
+        if rng.random() < 0.3:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+    while engine.has_work():
+        engine.step()
+    assert engine.kv.usage == 0.0 and not engine.groups and not engine.runner.drafter.states
+    assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_metrics_and_backends_report_the_head(tiny):
+    llm = head_llm(tiny)
+    llm.generate(train_prompts()[:4], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    counters = llm.engine.counters()
+    assert counters["draft_head_passes_total"] > 0 and counters["draft_head_positions_total"] > 0
+    assert counters["spec_decode_num_accepted_tokens_total"] > 0
+    rows = {r["component"]: r for r in llm.engine.backends()}
+    assert rows["speculative_decoding"]["impl"] == "draft_head"
+    assert rows["draft_head"]["impl"] == "eager" and "eager" in rows["draft_head"]["reason"]
+    # the head's KV is one more layer of the model's group
+    assert llm.engine.kv_specs[0].num_layers == llm.engine.model.args.num_layers + 1
+
+
+# --- the committed head ----------------------------------------------------------------------------
+
+def test_the_committed_smollm2_head_drafts_real_text():
+    """The shipped head (bench/train_draft_head.py on an H200) on the served SmolLM2: most of its
+    first drafts are right on chat replies. Exactness is the tests above' business (this model's
+    CPU kernels are not batch-invariant at every near-tie)."""
+    llm = LLM("smollm2", speculative_method="draft_head", num_speculative_tokens=K, max_model_len=512)
+    chats = [[{"role": "user", "content": c}] for c in
+             ("Explain photosynthesis in simple terms.", "Give me five tips for learning a language.",
+              "Write a Python function that reverses a string, with comments.")]
+    llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=48))
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 10
+    assert stats.accepted_per_pos[0] > 0.5 * stats.num_drafts, stats.counters()
+    assert stats.mean_accepted_length > 1.7, stats.counters()
+
+
+# --- refusals ---------------------------------------------------------------------------------------
+
+def test_bad_heads_and_models_are_refused(tiny, tmp_path):
+    path, good = tiny
+    with pytest.raises(ModelLoadError, match="do not exist"):
+        LLM(path, speculative_method="draft_head", speculative_model=str(tmp_path / "none.safetensors"))
+    with pytest.raises(UnsupportedSettingError, match="speculative_model"):
+        LLM(path, speculative_method="draft_head")  # no head ships for this model
+    from safetensors import safe_open
+    with safe_open(good, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    wrong = dict(meta, hidden_size="999")
+    save_file(tensors, str(tmp_path / "wrong.safetensors"), metadata=wrong)
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        LLM(path, speculative_method="draft_head", speculative_model=str(tmp_path / "wrong.safetensors"))
+    short = {k: v for k, v in tensors.items() if k != "fc.weight"}
+    save_file(short, str(tmp_path / "short.safetensors"), metadata=meta)
+    with pytest.raises(ModelLoadError, match="fc.weight"):
+        LLM(path, speculative_method="draft_head", speculative_model=str(tmp_path / "short.safetensors"))
+    bent = dict(tensors, **{"fc.weight": tensors["fc.weight"][:, :-1].contiguous()})
+    save_file(bent, str(tmp_path / "bent.safetensors"), metadata=meta)
+    with pytest.raises(ModelLoadError, match="shape"):
+        LLM(path, speculative_method="draft_head", speculative_model=str(tmp_path / "bent.safetensors"))
+    save_file(tensors, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ModelLoadError, match="not a draft head"):
+        LLM(path, speculative_method="draft_head", speculative_model=str(tmp_path / "plain.safetensors"))
+    from tests.deepseek_factories import make_v4_checkpoint
+    v4 = str(tmp_path / "v4")
+    make_v4_checkpoint(v4, "csa_hca")
+    with pytest.raises(UnsupportedSettingError, match="one full-attention KV group"):
+        LLM(v4, block_size=4, speculative_method="draft_head", speculative_model=good)
+
+
+# --- disaggregated: the hand-over ------------------------------------------------------------------
+
+def test_prefill_hands_the_head_its_state_and_decode_recomputes_nothing(tiny):
+    from cluster.common.messages import GenerateRequest
+    from cluster.config import parse_cluster_args
+    from cluster.decode.worker import DecodeWorker
+    from cluster.prefill.worker import PrefillWorker
+    path, head = tiny
+    config = parse_cluster_args({"model": path, "kv_transfer": "local", "block_size": 4, "max_num_batched_tokens": 16,
+                                 "speculative_method": "draft_head", "num_speculative_tokens": K,
+                                 "speculative_model": head, "enable_prefix_caching": False}, use_env=False)
+    prefill = PrefillWorker(config, engine_id=f"p-{uuid.uuid4().hex[:6]}")
+    decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=prefill.prefill)
+    prompts = train_prompts()[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    async def run():
+        async def one(i, p):
+            tokens = []
+            async for out in decode.generate(GenerateRequest(f"r{i}", p, params)):
+                assert not out.error, out.error
+                tokens += out.new_token_ids
+            return tokens
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    try:
+        got = asyncio.run(run())
+        want = [o.outputs[0].token_ids for o in LLM(path, block_size=4).generate(prompts, params)]
+        assert got == want
+        engine = decode.engine.engine
+        drafter = engine.runner.drafter
+        assert drafter.num_seeded == len(prompts)  # every request's state came from the prefill worker
+        assert drafter.num_cold_starts == 0
+        # decode ran the head over generated positions only: at most one per output token, plus
+        # the chained draft positions of each verify step
+        outputs = sum(len(t) for t in got)
+        assert drafter.num_positions <= outputs + (K - 1) * engine.spec_stats.num_drafts
+        assert engine.spec_stats.num_accepted_tokens > 0
+        assert prefill.engine.engine.runner.drafter.num_positions >= sum(len(p) for p in prompts)
+    finally:
+        decode.shutdown() if hasattr(decode, "shutdown") else None
+        prefill.shutdown() if hasattr(prefill, "shutdown") else None
+    assert os.path.exists(head)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_draft_head_on_the_gpu_equals_graph_decode(tmp_path):
+    """On a GPU (float32, Triton attention): the head's passes (eager, through the model's
+    attention kernel) and the verify steps (replayed from the decode graphs) give the tokens of
+    pipelined graph decode without speculation, greedy and seeded, n samples included."""
+    path = str(tmp_path / "llama")
+    make_checkpoint(path, "llama", seed=11, max_position_embeddings=1024)
+    settings = dict(block_size=16, dtype="float32", max_num_seqs=8, max_model_len=512, attention_backend="triton")
+    base = LLM(path, **settings)
+    prompts = train_prompts()[:6]
+    outs = base.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+    head = train_head(base, [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)], steps=1)
+    head_path = save_head(head.cpu(), str(tmp_path / "head.safetensors"))
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=30, n=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, logprobs=1, ignore_eos=True)]
+    params = [params[i % 3] for i in range(len(prompts))]
+    want = summary(base.generate(prompts, params))
+    assert base.engine.num_pipelined_steps > 0
+    llm = LLM(path, speculative_method="draft_head", num_speculative_tokens=K, speculative_model=head_path, **settings)
+    assert llm.engine.runner.graphs is not None
+    graph_steps = llm.engine.runner.num_graph_steps
+    assert summary(llm.generate(prompts, params)) == want
+    assert llm.engine.spec_stats.num_drafts > 0 and llm.engine.runner.drafter.num_passes > 0
+    assert llm.engine.runner.num_graph_steps - graph_steps >= llm.engine.spec_stats.num_drafts // 2
+    assert llm.engine.kv.usage == 0.0
