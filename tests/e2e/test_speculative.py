@@ -1,8 +1,10 @@
-"""Speculative decoding (n-gram) through the real Ray Serve application with the openai client:
-disaggregated (one prefill, one decode replica) and colocated, completions with prompt lists and
-``n > 1``, streamed and not, greedy and seeded, equal token for token to offline generation
-without speculation; drafts are proposed and accepted on the decode replica only (the metrics
-say so, with their role labels); streams cut mid-way leave every KV block free."""
+"""Speculative decoding (n-gram, and the draft head) through the real Ray Serve application with
+the openai client: disaggregated (one prefill, one decode replica) and colocated, completions
+with prompt lists and ``n > 1``, streamed and not, greedy and seeded, equal token for token to
+offline generation without speculation; drafts are proposed and accepted on the decode replica
+only (the metrics say so, with their role labels); with the draft head every decode request
+starts from the state the prefill replica handed over (none cold); streams cut mid-way leave
+every KV block free."""
 from __future__ import annotations
 
 import asyncio
@@ -65,10 +67,25 @@ async def _completions(cluster, model, n, stream, **sampling):
         await client.close()
 
 
-@pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
-def test_speculative_serving_equals_offline_without_speculation(cluster, model_dir, offline, layout):
-    settings = {"model": model_dir, "kv_transfer": "ipc", "speculative_method": "ngram",
-                "num_speculative_tokens": 4, "remote_kv_grace_s": 0.5}
+@pytest.fixture(scope="module")
+def head_file(model_dir, tmp_path_factory):
+    """A draft head trained on the served model's own greedy continuations (tests/engine)."""
+    from tests.engine.test_draft_head import save_head, train_head
+    llm = LLM(model_dir, block_size=16)
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+    head = train_head(llm, [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)], steps=100)
+    return save_head(head, str(tmp_path_factory.mktemp("head") / "head.safetensors"))
+
+
+@pytest.mark.parametrize("layout,method", [("disaggregated", "ngram"), ("colocated", "ngram"),
+                                           ("disaggregated", "draft_head")])
+def test_speculative_serving_equals_offline_without_speculation(cluster, model_dir, offline, layout, method,
+                                                                request):
+    settings = {"model": model_dir, "kv_transfer": "ipc", "speculative_method": method,
+                "num_speculative_tokens": 4 if method == "ngram" else 3, "remote_kv_grace_s": 0.5}
+    if method == "draft_head":
+        settings["speculative_model"] = request.getfixturevalue("head_file")
     if layout == "colocated":
         settings["prefill_replicas"] = 0
     cluster.deploy(settings)
@@ -87,7 +104,12 @@ def test_speculative_serving_equals_offline_without_speculation(cluster, model_d
     # the decode replica says speculation is on
     rows = httpx.get(f"{cluster.base_url}/v1/backends", timeout=10).json()
     text = str(rows)
-    assert "speculative_decoding" in text and "ngram" in text
+    assert "speculative_decoding" in text and method in text
+    if method == "draft_head":  # every decode request drafted from the prefill replica's hand-over
+        handed = cluster.metric("cluster:draft_head_states_handed_over_total", role="decode")
+        assert handed and sum(handed) >= len(PROMPTS) * 4, handed  # one prefill per request, whatever n
+        assert sum(cluster.metric("cluster:draft_head_cold_starts_total", role="decode")) == 0
+        assert cluster.metric("cluster:spec_decode_num_draft_tokens_total", role="prefill") == []
 
     # streams cut before and after their first chunk, mid-speculation: nothing leaks
     url = f"{cluster.base_url}/v1/completions"
