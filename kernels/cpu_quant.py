@@ -13,7 +13,14 @@ quantized in memory, so a decode step reads about 0.6 bytes per weight instead o
 
 Both kernels take bfloat16 activations and return bfloat16; the callers here convert from and
 back to the model's float32 at the boundary, so everything else (norms, attention, residuals)
-stays float32. The references (``*_ref``) dequantize to float32 and multiply as ``F.linear``,
+stays float32.
+
+Both kernels cost about one pass over the weight per 4-8 rows of activations (their time grows
+with the rows: 12x from 1 to 32 rows for a [3072, 576] projection on this machine's AVX-512 core),
+while a bfloat16 GEMM over the dequantized weight costs about the same from 4 rows to 32 (oneDNN).
+So a weight may also carry ``dense``, its bfloat16 dequantization, used from ``DENSE_FROM_ROWS``
+rows of activations on (batched decode, prefill chunks, verify batches of several requests);
+fewer rows read the 4-bit codes. The crossovers are measured by bench/cpu_linear.py. The references (``*_ref``) dequantize to float32 and multiply as ``F.linear``,
 for tests.
 """
 from __future__ import annotations
@@ -26,6 +33,11 @@ import torch.nn.functional as F
 from kernels.activation import silu_and_mul_ref
 
 GROUP_SIZE = 32
+#: Rows of activations from which a weight's bfloat16 ``dense`` copy is faster than the int4
+#: kernel (bench/cpu_linear.py: a tie at 8 rows for SmolLM2's projections, 2x faster at 16) ...
+DENSE_FROM_ROWS = 9
+#: ... and than the int8 logits kernel (1.4x faster at 8 rows, 3.6x at 32).
+DENSE_LOGITS_FROM_ROWS = 8
 
 
 def int4_cpu_available() -> bool:
@@ -40,6 +52,8 @@ class Q4Weight:
     group_size: int
     out_features: int
     in_features: int
+    #: The weight dequantized to bfloat16 ``[N, K]`` (for ``DENSE_FROM_ROWS`` rows and more), or None.
+    dense: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -50,6 +64,8 @@ class Q4Weight:
 class Q8Weight:
     codes: torch.Tensor   # [N, K] int8
     scales: torch.Tensor  # [N] bfloat16
+    #: The weight dequantized to bfloat16 (for ``DENSE_LOGITS_FROM_ROWS`` rows and more), or None.
+    dense: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -62,9 +78,10 @@ def can_pack_q4(out_features: int, in_features: int, group_size: int = GROUP_SIZ
 
 
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-            group_size: int = GROUP_SIZE) -> Q4Weight:
+            group_size: int = GROUP_SIZE, dense: bool = False) -> Q4Weight:
     """``codes [N, K]`` in 0..15, ``scale`` and ``minimum [N, K / group_size]``: the weight is
-    ``scale * codes + minimum`` group by group (Q4_1's d and m)."""
+    ``scale * codes + minimum`` group by group (Q4_1's d and m). ``dense``: also keep the
+    bfloat16 dequantization (from the same bfloat16 scales and zeros) for many-row calls."""
     n, k = codes.shape
     if not can_pack_q4(n, k, group_size):
         raise ValueError(f"a [{n}, {k}] weight does not fit the CPU int4 kernel (group {group_size})")
@@ -74,7 +91,11 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     zero = minimum32 + 8 * scale32
     scales_zeros = torch.stack([scale32.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-    return Q4Weight(packed, scales_zeros, group_size, n, k)
+    weight = Q4Weight(packed, scales_zeros, group_size, n, k)
+    if dense:
+        weight = Q4Weight(packed, scales_zeros, group_size, n, k,
+                          q4_dequantize_ref(codes, weight).to(torch.bfloat16).contiguous())
+    return weight
 
 
 def q4_dequantize_ref(codes: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
@@ -90,20 +111,27 @@ def linear_q4(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = Non
               gated: bool = False) -> torch.Tensor:
     """``x [T, K]`` (any float dtype) -> ``[T, N]`` in ``x``'s dtype; ``gated``: the weight is
     ``[gate; up]`` and the result ``silu(gate) * up``."""
-    y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,
-                                          weight.scales_zeros).to(x.dtype)
+    if weight.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
+        y = F.linear(x.to(torch.bfloat16), weight.dense).to(x.dtype)
+    else:
+        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,
+                                              weight.scales_zeros).to(x.dtype)
     if bias is not None:
         y = y + bias
     return silu_and_mul_ref(y) if gated else y
 
 
-def pack_q8_rows(weight: torch.Tensor) -> Q8Weight:
-    """``weight [N, K]`` as int8 codes with one scale per row (max |w| / 127)."""
+def pack_q8_rows(weight: torch.Tensor, dense: bool = False) -> Q8Weight:
+    """``weight [N, K]`` as int8 codes with one scale per row (max |w| / 127); ``dense``: also
+    keep their bfloat16 dequantization for many-row calls."""
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
     scale_bf16 = scale.to(torch.bfloat16)
     codes = (w / scale_bf16.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return Q8Weight(codes.contiguous(), scale_bf16.contiguous())
+    q8 = Q8Weight(codes.contiguous(), scale_bf16.contiguous())
+    if dense:
+        q8 = Q8Weight(q8.codes, q8.scales, q8_dequantize_ref(q8).to(torch.bfloat16).contiguous())
+    return q8
 
 
 def q8_dequantize_ref(weight: Q8Weight) -> torch.Tensor:
@@ -112,6 +140,8 @@ def q8_dequantize_ref(weight: Q8Weight) -> torch.Tensor:
 
 def linear_q8(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     """``x [T, K]`` -> ``[T, N]`` in ``x``'s dtype."""
+    if weight.dense is not None and x.shape[0] >= DENSE_LOGITS_FROM_ROWS:
+        return F.linear(x.to(torch.bfloat16), weight.dense).to(x.dtype)
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), weight.codes, weight.scales).to(x.dtype)
 
 

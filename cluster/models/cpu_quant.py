@@ -4,7 +4,10 @@ A GGUF file's Q4_1 projections are repacked once, after loading, for the CPU int
 (``kernels.cpu_quant``): their 4-bit codes are kept exactly, the scales and zeros in bfloat16.
 The logits projection of a tied, already quantized embedding (SmolLM2's Q8_0) becomes int8 with
 one scale per row. Everything else (embedding lookup, norms, attention, residuals) stays float32.
-A decode step then reads about 95 MB of weights for SmolLM2-135M instead of 538.
+A decode step of up to 8 rows then reads about 95 MB of weights for SmolLM2-135M instead of 538;
+from 9 rows on (batched decode, prefill chunks, verify batches) each projection reads its bfloat16
+dequantization instead, kept next to the codes (about 270 MB more memory), whose GEMM costs about
+the same for 32 rows as for 4 where the 4-bit kernels grow with every row.
 
 Selected by ``dtype=None`` (the default) on a CPU; ``dtype="float32"`` keeps the exact float32
 path (the one compared with transformers). GPUs never take it."""
@@ -18,7 +21,8 @@ from torch import nn
 
 from cluster.models.layers import Linear
 from cluster.models.loader import ParamTarget
-from kernels.cpu_quant import GROUP_SIZE, can_pack_q4, int4_cpu_available, pack_q4, pack_q8_rows
+from kernels.cpu_quant import (DENSE_FROM_ROWS, DENSE_LOGITS_FROM_ROWS, GROUP_SIZE, can_pack_q4, int4_cpu_available,
+                               pack_q4, pack_q8_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
             by_param.setdefault(target.param, []).append((target, blocks))
     modules = dict(net.named_modules())
     packed = kept = 0
-    q4_bytes = 0
+    q4_bytes = dense_bytes = 0
     for param, parts in by_param.items():
         module = modules.get(param.removesuffix(".weight"))
         if not isinstance(module, Linear) or not param.endswith(".weight"):
@@ -58,24 +62,28 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
         for target, blocks in parts:
             rows = slice(target.offset, target.offset + (target.size if target.size is not None else n))
             codes[rows], scale[rows], minimum[rows] = blocks.codes, blocks.scale, blocks.minimum
-        weight = pack_q4(codes, scale, minimum)
+        weight = pack_q4(codes, scale, minimum, dense=True)
         module.quantize(weight)
         packed += 1
         q4_bytes += weight.nbytes
+        dense_bytes += weight.dense.numel() * 2 if weight.dense is not None else 0
     rows = [{"component": "linear", "op": "linear", "format": "gguf_q4_1", "impl": "torch_int4pack_cpu",
              "device": "cpu", "role": "main",
              "reason": f"{packed} projections keep the file's 4-bit codes ({q4_bytes / 2**20:.0f} MiB; scales and "
-                       f"zeros in bfloat16, activations rounded to bfloat16 for the matmul)"
+                       f"zeros in bfloat16, activations rounded to bfloat16 for the matmul); from "
+                       f"{DENSE_FROM_ROWS} rows of activations on, their bfloat16 dequantization "
+                       f"({dense_bytes / 2**20:.0f} MiB, a GEMM that costs about the same for 4 rows as for 32)"
                        + (f"; {kept} stay float32 (shapes the kernel does not take)" if kept else "")}]
     embed_type = checkpoint.tensor_types().get("model.embed_tokens.weight", "F32")
     if getattr(net, "lm_head", None) is None and embed_type in _QUANTIZED_TYPES and hasattr(net, "quantize_logits"):
         weight = net.embed_tokens.weight.detach()
         if weight.shape[0] % 16 == 0:
-            q8 = pack_q8_rows(weight)
+            q8 = pack_q8_rows(weight, dense=True)
             net.quantize_logits(q8)
             rows.append({"component": "logits", "op": "linear", "format": f"gguf_{embed_type.lower()}->int8_row",
                          "impl": "torch_int8pack_cpu", "device": "cpu", "role": "main",
                          "reason": f"the tied {embed_type} embedding as int8 with one scale per row "
-                                   f"({q8.nbytes / 2**20:.0f} MiB)"})
+                                   f"({q8.nbytes / 2**20:.0f} MiB); from {DENSE_LOGITS_FROM_ROWS} rows on, "
+                                   f"its bfloat16 dequantization"})
     logger.info("CPU weights: %s", "; ".join(r["reason"] for r in rows))
     return rows

@@ -41,6 +41,31 @@ def test_int4_linear_matches_its_dequantized_reference(rows, gated):
     assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_many_rows_take_the_bfloat16_dequantization_and_few_the_int4_codes(gated, monkeypatch):
+    from kernels import cpu_quant
+    codes, scale, minimum = _random_q4(64, 96, seed=3)
+    plain, dense = pack_q4(codes, scale, minimum), pack_q4(codes, scale, minimum, dense=True)
+    assert plain.dense is None and dense.dense is not None and dense.dense.dtype == torch.bfloat16
+    bias = torch.randn(64)
+    few = torch.randn(cpu_quant.DENSE_FROM_ROWS - 1, 96)
+    assert torch.equal(linear_q4(few, dense, bias, gated=gated), linear_q4(few, plain, bias, gated=gated))
+    many = torch.randn(cpu_quant.DENSE_FROM_ROWS + 7, 96)
+    got = linear_q4(many, dense, bias, gated=gated)
+    ref = linear_q4_ref(many, codes, dense, bias, gated=gated)
+    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()  # bfloat16 weights and output
+    calls = []
+    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a) or None)
+    linear_q4(many, dense, bias, gated=gated)
+    assert not calls  # the int4 kernel is not called for many rows
+    w = torch.randn(64, 96)
+    q8, q8d = pack_q8_rows(w), pack_q8_rows(w, dense=True)
+    x = torch.randn(cpu_quant.DENSE_LOGITS_FROM_ROWS + 4, 96)
+    ref8 = x.to(torch.bfloat16).float() @ q8_dequantize_ref(q8).t()
+    assert (linear_q8(x, q8d) - ref8).abs().max() <= 2e-2 * ref8.abs().max()
+    assert torch.equal(linear_q8(x[:2], q8d), linear_q8(x[:2], q8))
+
+
 def test_int4_packing_keeps_the_codes_and_rounds_only_scales_to_bfloat16():
     codes, scale, minimum = _random_q4(32, 64, seed=1)
     weight = pack_q4(codes, scale, minimum)

@@ -1,0 +1,80 @@
+"""CPU projections of the embedded default (SmolLM2-135M's shapes), by rows of activations: the
+int4 weight-only kernel (the GGUF's 4-bit codes), a bfloat16 GEMM over the dequantized weight,
+and float32 ``F.linear``; the logits projection as int8 rows against bfloat16. The crossovers
+set ``kernels.cpu_quant.DENSE_FROM_ROWS`` and ``DENSE_LOGITS_FROM_ROWS``. Random weights (the
+kernels' time does not depend on the values), medians of timed calls after a warm-up.
+
+    python bench/cpu_linear.py --out bench/results/cpu-linear-<date>.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import environment, write_result  # noqa: E402
+from kernels.cpu_quant import (DENSE_FROM_ROWS, DENSE_LOGITS_FROM_ROWS, linear_q8, pack_q4,  # noqa: E402
+                               pack_q8_rows)
+
+SHAPES = {"gate_up [3072, 576]": (3072, 576), "down [576, 1536]": (576, 1536), "qkv [960, 576]": (960, 576),
+          "o [576, 576]": (576, 576)}
+ROWS = (1, 2, 4, 8, 16, 32)
+
+
+def timed(fn, calls: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--out", default=f"bench/results/cpu-linear-{datetime.date.today()}.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows_out = {}
+    for name, (n, k) in SHAPES.items():
+        codes = torch.randint(0, 16, (n, k))
+        q4 = pack_q4(codes, torch.rand(n, k // 32) * 0.01, -torch.rand(n, k // 32) * 0.05, dense=True)
+        dense, f32 = q4.dense, q4.dense.float()
+        table = []
+        for m in ROWS:
+            x = torch.randn(m, k)
+            xb = x.to(torch.bfloat16)
+            table.append({"rows": m,
+                          "int4_us": round(timed(lambda: torch._weight_int4pack_mm_for_cpu(xb, q4.packed, 32, q4.scales_zeros), args.calls), 1),
+                          "bf16_us": round(timed(lambda: F.linear(xb, dense), args.calls), 1),
+                          "fp32_us": round(timed(lambda: F.linear(x, f32), args.calls), 1)})
+        rows_out[name] = table
+        print(name, table, flush=True)
+    w = torch.randn(49152, 576)
+    q8 = pack_q8_rows(w, dense=True)
+    plain = pack_q8_rows(w)
+    logits = []
+    for m in (1, 4, 8, 16, 32):
+        x = torch.randn(m, 576)
+        logits.append({"rows": m, "int8_us": round(timed(lambda: linear_q8(x, plain), 8), 1),
+                       "bf16_us": round(timed(lambda: F.linear(x.to(torch.bfloat16), q8.dense), 8), 1)})
+    print("logits [49152, 576]", logits, flush=True)
+    write_result(args.out, {"benchmark": "cpu_linear", "environment": environment(), "projections": rows_out,
+                            "logits": logits, "dense_from_rows": DENSE_FROM_ROWS,
+                            "dense_logits_from_rows": DENSE_LOGITS_FROM_ROWS,
+                            "anchor": "the int4 / int8 weight-only kernels at the same rows, same run"})
+
+
+if __name__ == "__main__":
+    main()
