@@ -144,9 +144,7 @@ class DraftHeadRunner:
             return {}
         seqs, states = [], []
         for job in jobs:
-            st = self._state(job.request_id, job.position)
-            if st.hidden.shape[0] != job.position - st.start + 1:  # the target has not computed up to here
-                st = self._restart(job.request_id, job.position)
+            st = self._state(job.request_id, job.position)  # hidden rows for start - 1 .. position - 1
             st.tokens = st.tokens + [job.token]
             seqs.append((st.start, st.tokens, st.hidden, block_tables[job.request_id][0]))
             states.append(st)
@@ -169,10 +167,6 @@ class DraftHeadRunner:
             st.tokens = []
             out[job.request_id] = row[:job.num_tokens]
         return out
-
-    def _restart(self, request_id: str, position: int) -> DraftState:
-        self.states.pop(request_id, None)
-        return self._state(request_id, position)
 
     def _argmax(self, g: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(g).argmax(dim=-1)
