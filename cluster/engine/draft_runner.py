@@ -142,7 +142,8 @@ class DraftHeadRunner:
         """Draft for a verify step whose slots are allocated (``block_tables``)."""
         if not jobs:
             return {}
-        seqs, states = [], []
+        seqs: list[tuple[int, Any, torch.Tensor, list[int]]] = []
+        states: list[DraftState] = []
         for job in jobs:
             st = self._state(job.request_id, job.position)  # hidden rows for start - 1 .. position - 1
             st.tokens = st.tokens + [job.token]

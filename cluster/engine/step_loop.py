@@ -223,7 +223,13 @@ class StepLoop:
             else:
                 r.spec_token_ids = []
         if jobs:
-            drafts = self.runner.propose(jobs, sched.block_tables)
+            try:
+                drafts = self.runner.propose(jobs, sched.block_tables)
+            except Exception:  # noqa: BLE001 - a failed draft costs this step its acceptance, nothing else
+                logger.exception("draft head failed: this step verifies placeholder drafts")
+                for job in jobs:  # their draft state may be half-updated: start it afresh
+                    self.runner.drafter.forget(job.request_id)  # type: ignore[union-attr]
+                return  # the placeholders stay: any drafts verify exactly, these are just rejected
             for s in sched.scheduled:
                 if s.request.request_id in drafts:
                     s.request.spec_token_ids = drafts[s.request.request_id]

@@ -323,3 +323,25 @@ def test_draft_head_on_the_gpu_equals_graph_decode(tmp_path):
     assert llm.engine.runner.num_graph_steps - graph_steps >= 10
     assert llm.engine.runner.num_eager_steps - eager_steps <= 4
     assert llm.engine.kv.usage == 0.0
+
+
+def test_a_failing_draft_head_costs_acceptance_not_output(tiny, monkeypatch):
+    """The head raising mid-step (a bug, memory): that step verifies its placeholder drafts, the
+    request states start afresh, and every output still equals decoding without speculation."""
+    prompts = train_prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = summary(LLM(tiny[0], block_size=4).generate(prompts, params))
+    llm = head_llm(tiny)
+    drafter = llm.engine.runner.drafter
+    real = drafter.propose
+    calls = {"n": 0}
+
+    def flaky(jobs, tables):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("injected draft failure")
+        return real(jobs, tables)
+    monkeypatch.setattr(drafter, "propose", flaky)
+    assert summary(llm.generate(prompts, params)) == want
+    assert calls["n"] >= 6 and llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.kv.usage == 0.0 and not drafter.states
