@@ -120,7 +120,8 @@ def dense_hidden(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tens
     """The target's final hidden states ``[B, L, H]`` for ``input_ids [B, L]`` (sequences from
     position 0; right padding changes no earlier position). Float weights only."""
     x = model.embed_tokens(input_ids)
-    cos, sin = rope_cos_sin(model.inv_freq,  # type: ignore[arg-type] torch.arange(input_ids.shape[1], device=input_ids.device))
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    cos, sin = rope_cos_sin(model.inv_freq, positions)  # type: ignore[arg-type]
     for layer in model.layers:
         x = dense_decoder_layer(layer, model.args, x, cos, sin)  # type: ignore[arg-type]
     return rms_norm_ref(x, model.norm.weight, model.args.rms_norm_eps)[0]
