@@ -19,6 +19,10 @@ the first position ``start`` whose draft KV is not written, the target's hidden 
   rest of the blocks) and hands the hidden state at the prompt's last position to the decode
   engine (``last_hidden`` -> ``seed``), which drafts from its first step with nothing recomputed.
 
+The head's layer of a block is complete only once it has consumed the block's last position,
+which after a verify step lags the target by up to ``k + 1`` positions: ``written_upto`` tells
+the scheduler how far a request's blocks may enter the prefix cache.
+
 A request with no state and tokens before its chunk (a prefix-cache hit, a remote prefill
 without a hand-over) starts with a zero hidden state at the position before: only the draft
 layer's KV at that one position is approximate (acceptance, never output, can change:
@@ -87,6 +91,11 @@ class DraftHeadRunner:
         st = self.states.get(parent)
         if st is not None and st.start == position and st.hidden.shape[0] == 1 and not st.tokens:
             self.states[child] = DraftState(position, st.hidden.clone())
+
+    def written_upto(self, request_id: str) -> int | None:
+        """Positions below this have the head's KV written (None: no state, nothing lags)."""
+        st = self.states.get(request_id)
+        return None if st is None else st.start
 
     def last_hidden(self, request_id: str) -> torch.Tensor | None:
         """The target's hidden state before the first position the draft KV lacks, if every

@@ -189,6 +189,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         head = load_draft_head(path, self.model, layers, self.dtype, self.device, getattr(self.model, "ops", REFERENCE_OPS))
         self.runner.drafter = DraftHeadRunner(head, self.model, self.runner.kv_caches, self.cache_config.block_size,
                                               self.device)
+        # a block enters the prefix cache once the head's layer of it is written too
+        self.scheduler.cache_limit = self.runner.drafter.written_upto
         logger.info("draft head %s loaded (%d parameters, KV as layer %d of group %s)", path,
                     sum(p.numel() for p in head.parameters()), layers, self.kv_specs[0].name)
 

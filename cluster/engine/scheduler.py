@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cluster.common.errors import ErrorKind, InvalidRequestError, OverloadedError
@@ -92,6 +92,10 @@ class Scheduler:
         self.prefix_queried_tokens = 0
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        #: Where a request's KV is complete only up to some position although more is computed
+        #: (a draft head's layer lags the target's by up to k + 1 positions): request id -> the
+        #: tokens whose every layer is written; blocks past it are not cached yet.
+        self.cache_limit: Callable[[str], int | None] | None = None
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -261,7 +265,7 @@ class Scheduler:
     def mark_computed(self, scheduled: ScheduledRequest) -> None:
         request = scheduled.request
         request.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens
-        self.kv.cache_full_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+        self._cache_full_blocks(request)
 
     def mark_verified(self, scheduled: ScheduledRequest, num_accepted: int) -> None:
         """A verify step accepted ``num_accepted`` of its drafts: the KV of the positions up to the
@@ -271,7 +275,14 @@ class Scheduler:
         request.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens - k + num_accepted
         if request.status is RequestStatus.RUNNING:
             self.kv.truncate(request.request_id, request.num_computed_tokens)
-            self.kv.cache_full_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+            self._cache_full_blocks(request)
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        upto = request.num_computed_tokens
+        limit = self.cache_limit(request.request_id) if self.cache_limit is not None else None
+        if limit is not None:
+            upto = min(upto, limit)
+        self.kv.cache_full_blocks(request.request_id, request.block_hashes, upto)
 
     def finish(self, request: Request, status: RequestStatus, *, error: str | None = None,
                kind: ErrorKind | None = None) -> None:

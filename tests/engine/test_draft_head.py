@@ -345,3 +345,27 @@ def test_a_failing_draft_head_costs_acceptance_not_output(tiny, monkeypatch):
     assert summary(llm.generate(prompts, params)) == want
     assert calls["n"] >= 6 and llm.engine.spec_stats.num_accepted_tokens > 0
     assert llm.engine.kv.usage == 0.0 and not drafter.states
+
+
+def test_a_block_is_cached_only_once_the_head_has_written_it(tiny):
+    """The head's layer lags the target's by up to k + 1 positions after a verify step; a block
+    enters the prefix cache only once both are written, so a later hit never reads stale draft KV."""
+    llm = head_llm(tiny)
+    engine = llm.engine
+    drafter = engine.runner.drafter
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(train_prompts()[:4]):
+        engine.add_request(f"c{i}", p, params)
+    lagged = checked = 0
+    while engine.has_work():
+        engine.step()
+        for r in engine.scheduler.running:
+            upto = drafter.written_upto(r.request_id)
+            if upto is None:
+                continue
+            cached = engine.kv._num_cached_blocks[r.request_id][0]
+            assert cached * 4 <= upto, (r.request_id, cached, upto)
+            lagged += r.num_computed_tokens // 4 > upto // 4  # a full block the head has not finished
+            checked += 1
+    assert checked > 20 and lagged > 0  # the rule was exercised
+    assert engine.kv.usage == 0.0
