@@ -107,3 +107,34 @@ def engine_logits(llm: Any, ids: list[int], chunk: int) -> torch.Tensor:
 def mixed_prompts(vocab: int, lengths: tuple[int, ...] = (3, 9, 17, 33, 50, 64), seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def output_summary(outputs: Any) -> list[Any]:
+    """What two generations must agree on, per sample: tokens, text, finish and stop reasons,
+    logprobs (rounded to 4 places)."""
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+              [sorted((t, round(lp.logprob, 4)) for t, lp in p.items()) for p in (c.logprobs or [])])
+             for c in o.outputs] for o in outputs]
+
+
+def run_with_aborts(engine: Any, prompts: list[list[int]], requests: int = 200, seed: int = 5) -> None:
+    """Add ``requests`` requests (greedy or sampled, 1-29 tokens), stepping 0-2 times between
+    them and aborting a random live one 30% of the time, then step until nothing is left."""
+    import itertools
+    import random
+
+    from cluster.common.sampling_params import SamplingParams
+    rng = random.Random(seed)
+    ids = itertools.count()
+    live: list[str] = []
+    for _ in range(requests):
+        rid = f"a{next(ids)}"
+        engine.add_request(rid, rng.choice(prompts), SamplingParams(temperature=rng.choice([0.0, 0.9]),
+                                                                   max_tokens=rng.randrange(1, 30), seed=rng.randrange(9)))
+        live.append(rid)
+        for _ in range(rng.randrange(0, 3)):
+            engine.step()
+        if rng.random() < 0.3:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+    while engine.has_work():
+        engine.step()

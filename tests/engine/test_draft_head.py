@@ -8,9 +8,6 @@ hands the head's state to decode, which then recomputes nothing of the prompt.""
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
-import random
 import uuid
 
 import pytest
@@ -20,9 +17,8 @@ from safetensors.torch import save_file
 from cluster import LLM, SamplingParams
 from cluster.common.errors import ModelLoadError, UnsupportedSettingError
 from cluster.engine.draft_runner import DraftHeadRunner
-from cluster.models.context import ForwardContext
 from cluster.models.draft_head import LlamaDraftHead, dense_hidden, head_metadata
-from tests.factories import engine_logits, make_checkpoint, mixed_prompts
+from tests.factories import engine_logits, make_checkpoint, mixed_prompts, output_summary, run_with_aborts
 
 K = 3
 
@@ -78,10 +74,7 @@ def tiny(tmp_path_factory):
     return path, save_head(head, str(root / "head.safetensors"))
 
 
-def summary(outputs):
-    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-              [sorted((t, round(lp.logprob, 4)) for t, lp in p.items()) for p in (c.logprobs or [])])
-             for c in o.outputs] for o in outputs]
+summary = output_summary
 
 
 def head_llm(tiny, **kwargs) -> LLM:
@@ -167,21 +160,7 @@ def test_stop_strings_inside_an_accepted_run(tiny):
 def test_many_requests_with_aborts_free_every_block(tiny):
     llm = head_llm(tiny, max_num_batched_tokens=32)
     engine = llm.engine
-    rng = random.Random(5)
-    prompts = train_prompts()
-    ids = itertools.count()
-    live: list[str] = []
-    for _ in range(200):
-        rid = f"a{next(ids)}"
-        engine.add_request(rid, rng.choice(prompts), SamplingParams(temperature=rng.choice([0.0, 0.9]),
-                                                                   max_tokens=rng.randrange(1, 30), seed=rng.randrange(9)))
-        live.append(rid)
-        for _ in range(rng.randrange(0, 3)):
-            engine.step()
-        if rng.random() < 0.3:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-    while engine.has_work():
-        engine.step()
+    run_with_aborts(engine, train_prompts())
     assert engine.kv.usage == 0.0 and not engine.groups and not engine.runner.drafter.states
     assert engine.spec_stats.num_accepted_tokens > 0
 
@@ -289,9 +268,8 @@ def test_prefill_hands_the_head_its_state_and_decode_recomputes_nothing(tiny):
         assert engine.spec_stats.num_accepted_tokens > 0
         assert prefill.engine.engine.runner.drafter.num_positions >= sum(len(p) for p in prompts)
     finally:
-        decode.shutdown() if hasattr(decode, "shutdown") else None
-        prefill.shutdown() if hasattr(prefill, "shutdown") else None
-    assert os.path.exists(head)
+        decode.shutdown()
+        prefill.shutdown()
 
 
 @pytest.mark.gpu

@@ -6,7 +6,6 @@ distribution (chi-square on a 6-token vocabulary against the model's exact proba
 block is left allocated, and no block table or prefix-cache entry ever holds a rejected token."""
 from __future__ import annotations
 
-import itertools
 import random
 
 import numpy as np
@@ -16,7 +15,7 @@ import torch
 from cluster import LLM, SamplingParams
 from cluster.common.errors import UnsupportedSettingError
 from cluster.engine.spec_decode import NgramProposer, ngram_lookup
-from tests.factories import engine_logits, make_checkpoint, mixed_prompts
+from tests.factories import engine_logits, make_checkpoint, mixed_prompts, output_summary, run_with_aborts
 
 K = 4
 
@@ -28,10 +27,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def summary(outputs):
-    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-              [sorted((t, round(lp.logprob, 4)) for t, lp in p.items()) for p in (c.logprobs or [])])
-             for c in o.outputs] for o in outputs]
+summary = output_summary
 
 
 class Oracle:
@@ -183,21 +179,7 @@ def test_no_table_or_prefix_cache_entry_holds_a_rejected_token(model_dir):
 def test_many_requests_with_aborts_free_every_block(model_dir):
     llm = spec_llm(model_dir, max_num_batched_tokens=32)
     engine = llm.engine
-    rng = random.Random(5)
-    prompts = looping_prompts() + mixed_prompts(300, (4, 12, 30), seed=8)
-    ids = itertools.count()
-    live: list[str] = []
-    for _ in range(200):
-        rid = f"a{next(ids)}"
-        engine.add_request(rid, rng.choice(prompts), SamplingParams(temperature=rng.choice([0.0, 0.9]),
-                                                                   max_tokens=rng.randrange(1, 30), seed=rng.randrange(9)))
-        live.append(rid)
-        for _ in range(rng.randrange(0, 3)):
-            engine.step()
-        if rng.random() < 0.3:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-    while engine.has_work():
-        engine.step()
+    run_with_aborts(engine, looping_prompts() + mixed_prompts(300, (4, 12, 30), seed=8))
     assert engine.kv.usage == 0.0 and not engine.groups
     assert engine.spec_stats.num_accepted_tokens > 0
 
