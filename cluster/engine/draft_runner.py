@@ -139,8 +139,8 @@ class DraftHeadRunner:
             if not s.draft_token_ids and st.tokens:
                 catch_up.append((s.request_id, st))
         if catch_up:
-            seqs = [(st.start, st.tokens, st.hidden[:-1], block_tables[rid][0]) for rid, st in catch_up]
-            self._pass(seqs)
+            self._pass([(st.start, len(st.tokens), block_tables[rid][0]) for rid, st in catch_up],
+                       [t for _, st in catch_up for t in st.tokens], torch.cat([st.hidden[:-1] for _, st in catch_up]))
             for _, st in catch_up:
                 st.start += len(st.tokens)
                 st.hidden = st.hidden[-1:]
@@ -151,22 +151,18 @@ class DraftHeadRunner:
         """Draft for a verify step whose slots are allocated (``block_tables``)."""
         if not jobs:
             return {}
-        seqs: list[tuple[int, Any, torch.Tensor, list[int]]] = []
-        states: list[DraftState] = []
-        for job in jobs:
-            st = self._state(job.request_id, job.position)  # hidden rows for start - 1 .. position - 1
+        states = [self._state(job.request_id, job.position) for job in jobs]  # hidden rows start - 1 .. position - 1
+        for job, st in zip(jobs, states):
             st.tokens = st.tokens + [job.token]
-            seqs.append((st.start, st.tokens, st.hidden, block_tables[job.request_id][0]))
-            states.append(st)
-        g = self._pass(seqs, last_rows=True)  # [B, H]: each request's newest position
+        g = self._pass([(st.start, len(st.tokens), block_tables[job.request_id][0]) for job, st in zip(jobs, states)],
+                       [t for st in states for t in st.tokens], torch.cat([st.hidden for st in states]),
+                       last_rows=True)  # [B, H]: each request's newest position
         drafts = [self._argmax(g)]
         for j in range(1, max(job.num_tokens for job in jobs)):
             live = [i for i, job in enumerate(jobs) if job.num_tokens > j]  # no slot past a request's drafts
             index = torch.tensor(live, dtype=torch.long, device=self.device)
-            g_live, prev = g.index_select(0, index), drafts[-1].index_select(0, index)
-            seqs = [(jobs[i].position + j, prev[n:n + 1], g_live[n:n + 1], block_tables[jobs[i].request_id][0])
-                    for n, i in enumerate(live)]
-            g_next = self._pass(seqs, last_rows=True)
+            g_next = self._pass([(jobs[i].position + j, 1, block_tables[jobs[i].request_id][0]) for i in live],
+                                drafts[-1].index_select(0, index), g.index_select(0, index))
             g = g.index_copy(0, index, g_next)
             drafts.append(drafts[-1].index_copy(0, index, self._argmax(g_next)))
         table = torch.stack(drafts, dim=1).tolist()  # the one host sync of the proposal
@@ -181,18 +177,20 @@ class DraftHeadRunner:
     def _argmax(self, g: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(g).argmax(dim=-1)
 
-    def _pass(self, seqs: list[tuple[int, Any, torch.Tensor, list[int]]], last_rows: bool = False) -> torch.Tensor:
-        """One head forward over sequences (start position, tokens, target hidden rows, block
-        table row); returns every row's output, or (``last_rows``) each sequence's last."""
-        counts = np.array([len(t) for _, t, _, _ in seqs], dtype=np.int64)
-        starts = np.array([s for s, _, _, _ in seqs], dtype=np.int64)
+    def _pass(self, seqs: list[tuple[int, int, list[int]]], input_ids: list[int] | torch.Tensor,
+              hidden: torch.Tensor, last_rows: bool = False) -> torch.Tensor:
+        """One head forward over sequences (start position, length, block table row) whose
+        tokens and target hidden rows are ``input_ids`` and ``hidden``, in order; returns every
+        row's output, or (``last_rows``) each sequence's last."""
+        counts = np.array([n for _, n, _ in seqs], dtype=np.int64)
+        starts = np.array([s for s, _, _ in seqs], dtype=np.int64)
         qsl = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(counts, out=qsl[1:])
         seq_index = np.repeat(np.arange(len(seqs)), counts)
         positions = starts[seq_index] + (np.arange(int(qsl[-1])) - qsl[:-1][seq_index])
-        width = max(len(t) for _, _, _, t in seqs)
+        width = max(len(t) for _, _, t in seqs)
         tables = np.zeros((len(seqs), max(1, width)), dtype=np.int32)
-        for i, (_, _, _, t) in enumerate(seqs):
+        for i, (_, _, t) in enumerate(seqs):
             tables[i, :len(t)] = t
         bs = self.block_size
         slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
@@ -205,10 +203,9 @@ class DraftHeadRunner:
                              query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
                              kv_caches=self.kv_caches, block_tables=[to_dev(tables)], slot_mappings=[to_dev(slots)],
                              block_sizes=[bs])
-        ids = [t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.long) for _, t, _, _ in seqs]
-        input_ids = torch.cat([i.to(dev) for i in ids]) if len(ids) > 1 else ids[0].to(dev)
-        hidden = torch.cat([h for _, _, h, _ in seqs]) if len(seqs) > 1 else seqs[0][2]
-        embeds = self.target.embed_tokens(input_ids).to(hidden.dtype)
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = torch.tensor(input_ids, dtype=torch.long)
+        embeds = self.target.embed_tokens(input_ids.to(dev)).to(hidden.dtype)
         g = self.head(embeds, hidden, ctx)
         self.num_passes += 1
         self.num_positions += int(qsl[-1])

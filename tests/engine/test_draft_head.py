@@ -98,8 +98,7 @@ def test_paged_forward_over_chunks_equals_the_dense_forward(tiny):
     table = list(range(1, 8))  # blocks 1..7 of 4 tokens: positions 0..27
     got = []
     for start, end in ((0, 9), (9, 10), (10, 23)):  # a chunk, one token, the rest
-        seqs = [(start, ids[start:end].tolist(), hidden[start:end], table)]
-        got.append(drafter._pass(seqs))
+        got.append(drafter._pass([(start, end - start, table)], ids[start:end], hidden[start:end]))
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
 
 
