@@ -222,7 +222,11 @@ def main() -> None:
                        "graph_steps": {m: e.runner.num_graph_steps for m, e in engines.items()},
                        "eager_steps": {m: e.runner.num_eager_steps for m, e in engines.items()},
                        "kernels": sorted({r["impl"] for r in engines["none"].backends() if r["component"] != "cuda_graphs"}),
-                       "draft_head_pass": "eager" if "draft_head" in engines else None},
+                       "draft_head_pass": (engines["draft_head"].runner.drafter.graph_status.describe()
+                                           if "draft_head" in engines else None),
+                       "draft_head_proposals": ({"graph": engines["draft_head"].runner.drafter.num_graph_proposals,
+                                                 "eager": engines["draft_head"].runner.drafter.num_eager_proposals}
+                                                if "draft_head" in engines else None)},
         "anchor": "no speculation, the same engine settings, the methods' order rotating prompt by prompt",
         "classes": rows,
         "batched": batch_rows,

@@ -23,7 +23,10 @@ _REPORT_TIMEOUT_S = 5.0
 
 def replica_stats(role: str, replica_id: str, metrics: dict[str, float], transfer: Any,
                   extra: dict[str, Any] | None = None) -> ReplicaStats:
-    """``metrics``: LLMEngine.metrics(); ``transfer``: a backend's TransferStats."""
+    """``metrics``: LLMEngine.metrics() (gauges beyond ReplicaStats' own fields, such as
+    ``draft_head_graphs_captured``, go to ``extra``); ``transfer``: a backend's TransferStats."""
+    own = {f.name for f in dataclasses.fields(ReplicaStats)}
+    extra = {**{k: v for k, v in metrics.items() if k not in own}, **(extra or {})}
     return ReplicaStats(
         role=role, replica_id=replica_id,
         num_requests_running=int(metrics["num_requests_running"]),
@@ -34,7 +37,7 @@ def replica_stats(role: str, replica_id: str, metrics: dict[str, float], transfe
         cuda_graphs_captured=metrics["cuda_graphs_captured"],
         kv_transfer_bytes_total=transfer.bytes_total, kv_transfer_seconds_total=transfer.seconds_total,
         kv_transfer_count=transfer.count, kv_transfer_failures_total=transfer.failures_total,
-        extra=dict(extra or {}))
+        extra=extra)
 
 
 def queue_time(group: Any) -> float | None:

@@ -30,13 +30,18 @@ layer's KV at that one position is approximate (acceptance, never output, can ch
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from cluster.engine.cuda_graphs import GraphStatus, GraphUnsafeError
+from cluster.engine.draft_graphs import DraftHeadGraphs
 from cluster.models.context import ForwardContext
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,6 +78,34 @@ class DraftHeadRunner:
         self.num_positions = 0
         self.num_seeded = 0
         self.num_cold_starts = 0
+        #: The proposal as captured CUDA graphs (``capture_graphs``), and whether it is.
+        self.graphs: DraftHeadGraphs | None = None
+        self.graph_status = GraphStatus(reason="not captured")
+        #: Proposals replayed from a graph / run as eager passes.
+        self.num_graph_proposals = 0
+        self.num_eager_proposals = 0
+
+    def capture_graphs(self, num_tokens: int, max_batch: int, table_width: int, max_model_len: int,
+                       emulate: bool = False) -> GraphStatus:
+        """Capture the proposal (``DraftHeadGraphs``) for up to ``max_batch`` requests drafting up
+        to ``num_tokens`` each; a capture or self-check that fails leaves the passes eager, and
+        the returned status (also ``graph_status``) says why."""
+        if self.device.type != "cuda" and not emulate:
+            self.graph_status = GraphStatus(reason=f"the device is {self.device.type}: CUDA graphs need a CUDA device")
+            return self.graph_status
+        graphs = DraftHeadGraphs(self, num_tokens, max_batch, table_width, max_model_len, emulate=emulate)
+        try:
+            graphs.capture()
+        except Exception as exc:  # noqa: BLE001 - the head still drafts, eagerly
+            what = "self-check failed" if isinstance(exc, GraphUnsafeError) else "capture failed"
+            self.graph_status = GraphStatus(reason=f"{what}: {type(exc).__name__}: {exc}")
+            logger.warning("draft-head CUDA graphs: %s; the head's passes run eagerly", what, exc_info=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return self.graph_status
+        self.graphs = graphs
+        self.graph_status = GraphStatus(sizes=tuple(graphs.sizes), verified_size=graphs.verified_size)
+        return self.graph_status
 
     # --- state -----------------------------------------------------------------------------------
 
@@ -154,6 +187,26 @@ class DraftHeadRunner:
         states = [self._state(job.request_id, job.position) for job in jobs]  # hidden rows start - 1 .. position - 1
         for job, st in zip(jobs, states):
             st.tokens = st.tokens + [job.token]
+        if self.graphs is not None and self.graphs.can_run(jobs, states):
+            self.num_graph_proposals += 1
+            self.num_passes += self.graphs.k
+            self.num_positions += sum(len(st.tokens) for st in states) + sum(job.num_tokens - 1 for job in jobs)
+            table = self.graphs.run(jobs, states, block_tables).tolist()  # the one host sync of the proposal
+        else:
+            self.num_eager_proposals += 1
+            table = self._eager_proposal(jobs, states, block_tables)
+        out = {}
+        for job, st, row in zip(jobs, states, table):
+            st.start = job.position + 1
+            st.hidden = st.hidden[:0]
+            st.tokens = []
+            out[job.request_id] = row[:job.num_tokens]
+        return out
+
+    def _eager_proposal(self, jobs: Sequence[DraftJob], states: Sequence[DraftState],
+                        block_tables: dict[str, list[list[int]]]) -> list[list[int]]:
+        """The proposal as ``k`` eager passes: drafts per job (rows past a job's ``num_tokens``
+        unused)."""
         g = self._pass([(st.start, len(st.tokens), block_tables[job.request_id][0]) for job, st in zip(jobs, states)],
                        [t for st in states for t in st.tokens], torch.cat([st.hidden for st in states]),
                        last_rows=True)  # [B, H]: each request's newest position
@@ -165,14 +218,7 @@ class DraftHeadRunner:
                                 drafts[-1].index_select(0, index), g.index_select(0, index))
             g = g.index_copy(0, index, g_next)
             drafts.append(drafts[-1].index_copy(0, index, self._argmax(g_next)))
-        table = torch.stack(drafts, dim=1).tolist()  # the one host sync of the proposal
-        out = {}
-        for job, st, row in zip(jobs, states, table):
-            st.start = job.position + 1
-            st.hidden = st.hidden[:0]
-            st.tokens = []
-            out[job.request_id] = row[:job.num_tokens]
-        return out
+        return torch.stack(drafts, dim=1).tolist()  # the one host sync of the proposal
 
     def _argmax(self, g: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(g).argmax(dim=-1)
@@ -217,4 +263,6 @@ class DraftHeadRunner:
         return {"draft_head_passes_total": float(self.num_passes),
                 "draft_head_positions_total": float(self.num_positions),
                 "draft_head_states_handed_over_total": float(self.num_seeded),
-                "draft_head_cold_starts_total": float(self.num_cold_starts)}
+                "draft_head_cold_starts_total": float(self.num_cold_starts),
+                "draft_head_graph_proposals_total": float(self.num_graph_proposals),
+                "draft_head_eager_proposals_total": float(self.num_eager_proposals)}

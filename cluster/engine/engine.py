@@ -138,6 +138,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         loudly when decode runs without them."""
         if self.model_config.enforce_eager:
             self.runner.graph_status = GraphStatus(reason="enforce_eager is set")
+            if self.runner.drafter is not None:
+                self.runner.drafter.graph_status = GraphStatus(reason="enforce_eager is set")
         elif self.scheduler_config.prefill_only:
             self.runner.graph_status = GraphStatus(reason="prefill role: no decode steps to capture")
         else:
@@ -149,7 +151,29 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
             self.startup_timings["cuda_graphs_s"] = time.perf_counter() - start
             if self.runner.graphs is not None:
                 self.startup_timings.update(self.runner.graphs.timings)
+            self._capture_draft_graphs()
         announce_graph_status(self.runner.graph_status, self.device, decodes=not self.scheduler_config.prefill_only)
+
+    def _capture_draft_graphs(self, emulate: bool = False) -> None:
+        """The draft head's proposal as CUDA graphs, for as many requests as a verify step's graph
+        holds; said loudly when a GPU drafts without them."""
+        drafter = self.runner.drafter
+        if drafter is None:
+            return
+        k = self.model_config.num_speculative_tokens
+        max_batch = max(1, min(self.scheduler_config.max_num_seqs, MAX_VERIFY_GRAPH_ROWS // (1 + k)))
+        model_len = self.scheduler_config.max_model_len
+        start = time.perf_counter()
+        status = drafter.capture_graphs(k, max_batch, self.kv_specs[0].blocks_needed(model_len), model_len,
+                                        emulate=emulate)
+        self.startup_timings["draft_graphs_s"] = time.perf_counter() - start
+        if drafter.graphs is not None:
+            self.startup_timings.update(drafter.graphs.timings)
+        if status.captured or self.device.type != "cuda":
+            logger.info("draft-head CUDA graphs %s", status.describe())
+        else:
+            logger.warning("draft-head CUDA graphs are OFF (%s): every proposal launches its k passes' kernels "
+                           "from Python, slower than the verify step it feeds", status.reason)
 
     def _init_speculation(self) -> None:
         """The draft proposer (None: no speculation; prefill-only engines never draft). Refused
@@ -260,14 +284,16 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
             rows.append({"component": "speculative_decoding", "op": "verify_step", "impl": self.proposer.name,
                          "device": device, "role": "draft", "format": "-", "reason": reason})
         if self.runner.drafter is not None:
-            rows.append({"component": "draft_head", "op": "draft_pass", "impl": "eager",
+            graphs = self.runner.drafter.graph_status
+            where = (f"the proposal (its k passes and argmaxes) replays CUDA graphs, {graphs.describe()}"
+                     if graphs.captured else f"the head's passes run eagerly (CUDA graphs {graphs.describe()})")
+            rows.append({"component": "draft_head", "op": "draft_pass", "impl": "graph" if graphs.captured else "eager",
                          "device": device, "role": "draft", "format": str(self.dtype).removeprefix("torch."),
-                         "reason": "the head's passes run eagerly (no CUDA graph for them yet), through the "
-                                   "model's attention kernel; drafts are greedy"})
+                         "reason": f"{where}, through the model's attention kernel; drafts are greedy"})
         return rows
 
     def metrics(self) -> dict[str, float]:
-        return {
+        out = {
             "num_requests_running": float(len(self.scheduler.running)),
             "num_requests_waiting": float(len(self.scheduler.waiting) + len(self.scheduler.receiving)),
             "kv_cache_usage_perc": self.kv.usage,
@@ -275,6 +301,9 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
             "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,
             "cuda_graphs_captured": float(self.runner.graph_status.captured),
         }
+        if self.runner.drafter is not None:
+            out["draft_head_graphs_captured"] = float(self.runner.drafter.graph_status.captured)
+        return out
 
     def counters(self) -> dict[str, float]:
         """Totals since start-up (Prometheus counters: each key ends in ``_total``)."""

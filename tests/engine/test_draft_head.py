@@ -79,8 +79,8 @@ summary = output_summary
 
 def head_llm(tiny, **kwargs) -> LLM:
     path, head = tiny
-    return LLM(path, block_size=4, speculative_method="draft_head", num_speculative_tokens=K,
-               speculative_model=head, **kwargs)
+    return LLM(path, **{"block_size": 4, **kwargs}, speculative_method="draft_head", num_speculative_tokens=K,
+               speculative_model=head)
 
 
 # --- the head's forwards ----------------------------------------------------------------------------
@@ -274,8 +274,8 @@ def test_prefill_hands_the_head_its_state_and_decode_recomputes_nothing(tiny):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_draft_head_on_the_gpu_equals_graph_decode(tmp_path):
-    """On a GPU (float32, Triton attention): the head's passes (eager, through the model's
-    attention kernel) and the verify steps (replayed from the decode graphs) give the tokens of
+    """On a GPU (float32, Triton attention): the head's proposals (replayed from the draft
+    graphs, through the model's attention kernel) and the verify steps (replayed from the decode graphs) give the tokens of
     pipelined graph decode without speculation, greedy and seeded, n samples included."""
     path = str(tmp_path / "llama")
     make_checkpoint(path, "llama", seed=11, max_position_embeddings=1024)
@@ -299,7 +299,52 @@ def test_draft_head_on_the_gpu_equals_graph_decode(tmp_path):
     # every step but the prompts' replayed a graph (num_drafts counts requests, not steps)
     assert llm.engine.runner.num_graph_steps - graph_steps >= 10
     assert llm.engine.runner.num_eager_steps - eager_steps <= 4
+    drafter = llm.engine.runner.drafter  # the proposals replayed the draft graphs
+    assert drafter.graph_status.captured, drafter.graph_status.describe()
+    assert drafter.num_graph_proposals > 10 and drafter.num_eager_proposals == 0
     assert llm.engine.kv.usage == 0.0
+
+
+def test_proposals_replay_emulated_draft_graphs(tiny, monkeypatch):
+    """On the CPU, the head's proposals replayed from emulated draft graphs (their static
+    buffers, padding rows and requests, the Triton kernels interpreted, every replay checked
+    for host reads): the drafts are the eager passes' and the output is decoding's without
+    speculation, greedy and seeded, n samples and requests drafting fewer than k tokens included."""
+    settings = dict(block_size=16, dtype="float32", attention_backend="triton", max_num_seqs=4, max_model_len=128)
+    prompts = train_prompts()[:3] + [train_prompts()[5][:9]]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=14, n=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),  # fewer than k drafts at its end
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)]
+    want = summary(LLM(tiny[0], **settings).generate(prompts, params))
+    llm = head_llm(tiny, enforce_eager=True, **settings)
+    engine, drafter = llm.engine, llm.engine.runner.drafter
+    assert not drafter.graph_status.captured and "enforce_eager" in drafter.graph_status.reason
+    assert engine.runner.capture_cuda_graphs(4 * (1 + K), 128, emulate=True).captured
+    engine._capture_draft_graphs(emulate=True)
+    assert drafter.graph_status.captured, drafter.graph_status.describe()
+    assert drafter.graphs.sizes == [1, 2, 4]
+    compared = {"drafts": 0, "agree": 0, "padded": 0}
+    run = drafter.graphs.run
+
+    def checked(jobs, states, tables):
+        eager = drafter._eager_proposal(jobs, states, tables)  # writes the same draft KV, same values
+        got = run(jobs, states, tables).tolist()
+        for job, a, b in zip(jobs, eager, got):
+            compared["drafts"] += job.num_tokens
+            compared["agree"] += sum(x == y for x, y in zip(a[:job.num_tokens], b[:job.num_tokens]))
+        compared["padded"] += len(jobs) not in drafter.graphs.sizes or any(j.num_tokens < K for j in jobs)
+        return torch.tensor(got)
+    monkeypatch.setattr(drafter.graphs, "run", checked)
+    assert summary(llm.generate(prompts, params)) == want
+    assert drafter.num_graph_proposals > 5 and drafter.num_eager_proposals == 0
+    assert compared["agree"] == compared["drafts"] > 0 and compared["padded"] > 0
+    assert engine.spec_stats.num_accepted_tokens > 5
+    row = [r for r in engine.backends() if r["component"] == "draft_head"][0]
+    assert row["impl"] == "graph" and "verified" in row["reason"]
+    assert engine.metrics()["draft_head_graphs_captured"] == 1.0
+    assert engine.counters()["draft_head_graph_proposals_total"] == drafter.num_graph_proposals
+    assert engine.kv.usage == 0.0 and not drafter.states
 
 
 def test_a_failing_draft_head_costs_acceptance_not_output(tiny, monkeypatch):

@@ -1,0 +1,243 @@
+"""DraftHeadGraphs: the draft head's whole proposal for a verify step (its first pass and the
+``k - 1`` chained ones, each with its argmax over the shared LM head) replayed as one captured
+CUDA graph per padded batch size.
+
+Eagerly, a proposal is ``k`` head forwards of a few dozen small kernels each, launched from
+Python: on a GPU that costs more than the verify step itself. In a graph it is one launch.
+
+Layout (every row a decode row: one query at its own position, ``seq_len = position + 1``, so
+the decode attention kernel serves it and a row's KV, written before attention, is seen by the
+rows after it in the same sequence, as in a verify step's graph):
+
+- First pass: ``k + 1`` rows per request, the most positions a request can have pending (a
+  verify step that accepted all ``k`` drafts, plus the bonus token). Request ``i`` owns rows
+  ``i * (k + 1) ..``; its pending positions fill the first of them, the rest are padding (slot
+  -1: they write nowhere; their output is never read). ``last_rows`` names each request's newest
+  position's row, whose output gives the first draft.
+- Chained pass ``j``: one row per request at ``position + j``, reading the previous pass's output
+  as the target's hidden state and its argmax as the token. A request that drafts fewer than
+  ``k`` tokens (near its ``max_tokens``) has no slot there: slot -1, its row's drafts dropped.
+
+Requests beyond the batch (padding up to the graph's size) read the null block and write nowhere.
+The inputs go through one pinned host buffer and one copy (no wait for the GPU); the pending
+hidden rows are copied on the device. ``emulate=True`` (CPU tests): no capture; each replay runs
+the forward on the static buffers under :class:`GraphSafetyCheck`, as DecodeGraphs does.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+
+from cluster.engine.cuda_graphs import GraphSafetyCheck, GraphUnsafeError, graph_batch_sizes
+from cluster.models.context import ForwardContext
+
+if TYPE_CHECKING:
+    from cluster.engine.draft_runner import DraftHeadRunner, DraftJob, DraftState
+
+logger = logging.getLogger(__name__)
+
+
+class _EmulatedGraph:
+    def __init__(self, graphs: "DraftHeadGraphs", size: int) -> None:
+        self.graphs, self.size = graphs, size
+
+    def replay(self) -> None:
+        with GraphSafetyCheck():
+            self.graphs.outputs[self.size] = self.graphs.forward(self.size)
+
+
+class DraftHeadGraphs:
+    def __init__(self, drafter: "DraftHeadRunner", num_tokens: int, max_batch: int, table_width: int,
+                 max_model_len: int, emulate: bool = False) -> None:
+        self.drafter = drafter
+        self.emulate = emulate
+        self.k = num_tokens
+        self.rows = num_tokens + 1
+        self.max_model_len = max_model_len
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = b = self.sizes[-1]
+        r, dev = self.rows, drafter.device
+        with torch.device(dev):
+            self.first_ids = torch.zeros(b * r, dtype=torch.int64)
+            self.first_positions = torch.zeros(b * r, dtype=torch.int64)
+            self.first_seq_lens = torch.ones(b * r, dtype=torch.int32)
+            self.first_slots = torch.full((b * r,), -1, dtype=torch.int64)
+            self.first_hidden = torch.zeros((b * r, drafter.hidden_size), dtype=drafter.head.fc.weight.dtype)
+            #: Row ``j`` of the first pass belongs to request ``j // (k + 1)``: a constant.
+            self.row_request = torch.arange(b, dtype=torch.int64).repeat_interleave(r)
+            self.last_rows = torch.arange(b, dtype=torch.int64) * r
+            self.chain_positions = torch.zeros((max(1, self.k - 1), b), dtype=torch.int64)
+            self.chain_seq_lens = torch.ones((max(1, self.k - 1), b), dtype=torch.int32)
+            self.chain_slots = torch.full((max(1, self.k - 1), b), -1, dtype=torch.int64)
+            self.tables = torch.zeros((b, table_width), dtype=torch.int32)
+            self.query_start_loc = torch.arange(b * r + 1, dtype=torch.int32)
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.timings: dict[str, float] = {}
+        self.verified_size = 0
+
+    # --- the captured forward ----------------------------------------------------------------------
+
+    def _context(self, positions: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor,
+                 slots: torch.Tensor) -> ForwardContext:
+        n = positions.shape[0]
+        return ForwardContext(
+            positions=positions, query_start_loc=self.query_start_loc[:n + 1], seq_lens=seq_lens,
+            query_start_loc_cpu=list(range(n + 1)),
+            # the decode kernel sizes its split count from the longest possible context
+            seq_lens_cpu=[self.max_model_len] * n, kv_caches=self.drafter.kv_caches, block_tables=[tables],
+            slot_mappings=[slots], block_sizes=[self.drafter.block_size])
+
+    def forward(self, size: int) -> torch.Tensor:
+        """The proposal on the first ``size`` requests' buffers: drafts ``[size, k]``."""
+        d = self.drafter
+        n = size * self.rows
+        tables = self.tables[:size]
+        ctx = self._context(self.first_positions[:n], self.first_seq_lens[:n],
+                            tables.index_select(0, self.row_request[:n]), self.first_slots[:n])
+        hidden = self.first_hidden[:n]
+        g = d.head(d.target.embed_tokens(self.first_ids[:n]).to(hidden.dtype), hidden, ctx)
+        g = g.index_select(0, self.last_rows[:size])
+        token = d.target.compute_logits(g).argmax(dim=-1)
+        drafts = [token]
+        for j in range(self.k - 1):
+            ctx = self._context(self.chain_positions[j, :size], self.chain_seq_lens[j, :size], tables,
+                                self.chain_slots[j, :size])
+            g = d.head(d.target.embed_tokens(token).to(hidden.dtype), g, ctx)
+            token = d.target.compute_logits(g).argmax(dim=-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm every size up eagerly (compilation, autotuning), capture from the largest size
+        down in one memory pool, then ``verify``."""
+        self._clear()
+        if self.emulate:
+            self.graphs = {size: _EmulatedGraph(self, size) for size in self.sizes}
+            self.verified_size = self.verify()
+            return
+        dev = self.drafter.device
+        start = time.perf_counter()
+        for size in self.sizes:
+            self.forward(size)
+        torch.cuda.synchronize(dev)
+        self.timings["draft_warmup_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(dev)
+        self.timings["draft_capture_s"] = time.perf_counter() - start
+        self.verified_size = self.verify()
+        logger.info("captured draft-head CUDA graphs for batch sizes %s (batch %d verified against the eager "
+                    "passes)", self.sizes, self.verified_size)
+
+    def _clear(self) -> None:
+        """Every row reads the null block and writes nowhere."""
+        self.first_slots.fill_(-1)
+        self.chain_slots.fill_(-1)
+        self.tables.zero_()
+        self.first_positions.zero_()
+        self.first_seq_lens.fill_(1)
+        self.chain_positions.zero_()
+        self.chain_seq_lens.fill_(1)
+
+    @torch.inference_mode()
+    def verify(self) -> int:
+        """Replay the largest graph on inputs it was not captured with (random tokens, hidden
+        states and positions; every row reading the null block, none writing) and compare with
+        the same forward run eagerly: a graph that froze a value at capture drafts other tokens.
+        Raises GraphUnsafeError (the head then drafts eagerly)."""
+        size = self.sizes[-1]
+        dev = self.drafter.device
+        gen = torch.Generator(device=dev).manual_seed(0)
+        vocab = int(getattr(self.drafter.target, "vocab_size", 2))
+        n = size * self.rows
+        self._clear()
+        self.first_ids[:n].copy_(torch.randint(0, vocab, (n,), generator=gen, device=dev))
+        self.first_hidden[:n].copy_(torch.randn((n, self.drafter.hidden_size), generator=gen, device=dev))
+        self.last_rows[:size].copy_(torch.arange(size, device=dev) * self.rows
+                                    + torch.randint(0, self.rows, (size,), generator=gen, device=dev))
+        try:
+            expected = self.forward(size)
+            self.graphs[size].replay()
+            got = self.outputs[size]
+        finally:
+            self._clear()
+        agree = float((got == expected).float().mean())
+        # float rounding may flip a near-tie; a frozen input changes nearly every draft
+        if agree < 0.9:
+            raise GraphUnsafeError(f"draft-head graph of batch {size} replayed other drafts than the eager "
+                                   f"passes ({agree:.0%} agree)")
+        return size
+
+    # --- serving -----------------------------------------------------------------------------------
+
+    def can_run(self, jobs: Sequence["DraftJob"], states: Sequence["DraftState"]) -> bool:
+        return (bool(self.graphs) and 0 < len(jobs) <= self.max_batch
+                and all(1 <= len(st.tokens) <= self.rows and job.num_tokens <= self.k for job, st in zip(jobs, states)))
+
+    @torch.inference_mode()
+    def run(self, jobs: Sequence["DraftJob"], states: Sequence["DraftState"],
+            block_tables: dict[str, list[list[int]]]) -> torch.Tensor:
+        """Drafts ``[len(jobs), k]`` on the device (a request's row past its ``num_tokens`` is
+        unused) for requests whose pending tokens (``states``, the newest included) fit."""
+        n = len(jobs)
+        size = next(s for s in self.sizes if s >= n)
+        r, k, bs = self.rows, self.k, self.drafter.block_size
+        chain = max(1, k - 1)
+        width = self.tables.shape[1]
+        tables = np.zeros((size, width), dtype=np.int64)
+        counts = np.zeros(size, dtype=np.int64)
+        starts = np.zeros(size, dtype=np.int64)
+        ids = np.zeros((size, r), dtype=np.int64)
+        for i, (job, st) in enumerate(zip(jobs, states)):
+            table = block_tables[job.request_id][0]
+            tables[i, :len(table)] = table
+            counts[i] = len(st.tokens)
+            starts[i] = st.start
+            ids[i, :counts[i]] = st.tokens
+        offsets = np.arange(r)
+        real = offsets[None, :] < counts[:, None]  # [size, r]
+        positions = np.where(real, starts[:, None] + offsets[None, :], 0)
+        rows = np.arange(size)[:, None]
+        slots = np.where(real, tables[rows, positions // bs] * bs + positions % bs, -1)
+        last = np.arange(size) * r + np.maximum(counts - 1, 0)
+        newest = np.array([job.position for job in jobs] + [0] * (size - n), dtype=np.int64)
+        drafting = np.array([job.num_tokens for job in jobs] + [0] * (size - n), dtype=np.int64)
+        chain_pos = newest[None, :] + np.arange(1, chain + 1)[:, None]  # [chain, size]
+        live = np.arange(1, chain + 1)[:, None] < drafting[None, :]
+        block = np.minimum(chain_pos // bs, width - 1)
+        chain_slots = np.where(live, tables[np.arange(size)[None, :], block] * bs + chain_pos % bs, -1)
+        chain_pos = np.where(live, chain_pos, 0)
+        hidden_rows = (np.arange(size)[:, None] * r + offsets[None, :])[real]
+        # (target, values) in one pinned buffer, one copy
+        columns = [(self.first_ids[:size * r], ids.reshape(-1)), (self.first_positions[:size * r], positions.reshape(-1)),
+                   (self.first_seq_lens[:size * r], positions.reshape(-1) + 1),
+                   (self.first_slots[:size * r], slots.reshape(-1)), (self.last_rows[:size], last),
+                   (self.chain_positions[:, :size], chain_pos), (self.chain_seq_lens[:, :size], chain_pos + 1),
+                   (self.chain_slots[:, :size], chain_slots), (self.tables[:size], tables), (None, hidden_rows)]
+        host = np.concatenate([v.reshape(-1) for _, v in columns])
+        staged = torch.from_numpy(host)
+        dev = self.drafter.device
+        if dev.type == "cuda":
+            staged = staged.pin_memory()
+        staged = staged.to(dev, non_blocking=True)
+        offset = 0
+        for target, values in columns:
+            part = staged[offset:offset + values.size]
+            offset += values.size
+            if target is None:
+                self.first_hidden.index_copy_(0, part, torch.cat([st.hidden for st in states]).to(self.first_hidden.dtype))
+            else:
+                target.copy_(part.view(target.shape))
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
