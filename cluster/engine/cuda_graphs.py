@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -115,16 +116,54 @@ class GraphSafetyCheck(TorchDispatchMode):
         super().__exit__(*exc)
 
 
-class _EmulatedGraph:
-    """Stands in for a captured graph on CPU: replaying runs the forward on the static buffers."""
+class EmulatedGraph:
+    """Stands in for a captured graph on CPU: replaying runs ``owner.forward(size)`` on the static
+    buffers (under GraphSafetyCheck) into ``owner.outputs[size]``. Serves DecodeGraphs and
+    DraftHeadGraphs alike."""
 
-    def __init__(self, graphs: "DecodeGraphs", size: int) -> None:
-        self.graphs, self.size = graphs, size
+    def __init__(self, owner: Any, size: int) -> None:
+        self.owner, self.size = owner, size
 
     def replay(self) -> None:
-        g = self.graphs
         with GraphSafetyCheck():
-            g.outputs[self.size] = g.forward(self.size)
+            self.owner.outputs[self.size] = self.owner.forward(self.size)
+
+
+def capture_sizes(forward: Callable[[int], torch.Tensor], sizes: list[int],
+                  outputs: dict[int, torch.Tensor]) -> dict[int, Any]:
+    """Capture ``forward(size)`` for every size, the largest first, in one memory pool; each
+    graph's output tensor lands in ``outputs[size]``. Returns the graphs by size."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs: dict[int, Any] = {}
+    for size in reversed(sizes):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = forward(size)
+        graphs[size] = graph
+    return graphs
+
+
+def capture_with_status(graphs: Any, device: torch.device, what: str, fallback: str) -> GraphStatus:
+    """``graphs.capture()``, and the status it leaves: captured sizes, or why not (a capture or
+    a self-check that fails is logged as a warning; ``fallback`` says what runs instead)."""
+    try:
+        graphs.capture()
+    except Exception as exc:  # noqa: BLE001 - what cannot be captured still runs, eagerly
+        failure = "self-check failed" if isinstance(exc, GraphUnsafeError) else "capture failed"
+        logger.warning("%s CUDA graphs: %s; %s", what, failure, fallback, exc_info=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return GraphStatus(reason=f"{failure}: {type(exc).__name__}: {exc}")
+    return GraphStatus(sizes=tuple(graphs.sizes), verified_size=graphs.verified_size)
+
+
+def stage(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting for the GPU: through pinned memory (a copy from
+    pageable memory would synchronise)."""
+    staged = torch.from_numpy(host)
+    if device.type == "cuda":
+        staged = staged.pin_memory()
+    return staged.to(device, non_blocking=True)
 
 
 class DecodeGraphs:
@@ -148,7 +187,7 @@ class DecodeGraphs:
                                  for spec in specs]
             self.slot_mappings = [torch.full((b,), -1, dtype=torch.int64)
                                   if spec.kind in ("full", "sliding_window") else None for spec in specs]
-        self.graphs: dict[int, Any] = {}  # torch.cuda.CUDAGraph, or _EmulatedGraph
+        self.graphs: dict[int, Any] = {}  # torch.cuda.CUDAGraph, or EmulatedGraph
         self.outputs: dict[int, torch.Tensor] = {}
         #: Start-up seconds by phase (``capture``).
         self.timings: dict[str, float] = {}
@@ -175,7 +214,7 @@ class DecodeGraphs:
         capture from the largest size down, sharing one memory pool, then ``verify``. Seconds
         spent per phase (and warming up each size) land in ``timings``."""
         if self.emulate:
-            self.graphs = {size: _EmulatedGraph(self, size) for size in self.sizes}
+            self.graphs = {size: EmulatedGraph(self, size) for size in self.sizes}
             self.verified_size = self.verify()
             return
         for size in self.sizes:
@@ -184,12 +223,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             self.timings[f"warmup_b{size}_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward(size)
-            self.graphs[size] = graph
+        self.graphs = capture_sizes(self.forward, self.sizes, self.outputs)
         torch.cuda.synchronize(self.device)
         self.timings["capture_s"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -274,10 +308,7 @@ class DecodeGraphs:
         for t in tables:
             host[offset:offset + t.size] = t
             offset += t.size
-        staged = torch.from_numpy(host)
-        if self.device.type == "cuda":
-            staged = staged.pin_memory()
-        staged = staged.to(self.device, non_blocking=True)
+        staged = stage(host, self.device)
         for j, (target, _, _) in enumerate(columns):
             if target is not None:
                 target[:size].copy_(staged[j * size:(j + 1) * size])

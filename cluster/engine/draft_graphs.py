@@ -32,22 +32,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
-from cluster.engine.cuda_graphs import GraphSafetyCheck, GraphUnsafeError, graph_batch_sizes
+from cluster.engine.cuda_graphs import EmulatedGraph, GraphUnsafeError, capture_sizes, graph_batch_sizes, stage
 from cluster.models.context import ForwardContext
 
 if TYPE_CHECKING:
     from cluster.engine.draft_runner import DraftHeadRunner, DraftJob, DraftState
 
 logger = logging.getLogger(__name__)
-
-
-class _EmulatedGraph:
-    def __init__(self, graphs: "DraftHeadGraphs", size: int) -> None:
-        self.graphs, self.size = graphs, size
-
-    def replay(self) -> None:
-        with GraphSafetyCheck():
-            self.graphs.outputs[self.size] = self.graphs.forward(self.size)
 
 
 class DraftHeadGraphs:
@@ -118,7 +109,7 @@ class DraftHeadGraphs:
         down in one memory pool, then ``verify``."""
         self._clear()
         if self.emulate:
-            self.graphs = {size: _EmulatedGraph(self, size) for size in self.sizes}
+            self.graphs = {size: EmulatedGraph(self, size) for size in self.sizes}
             self.verified_size = self.verify()
             return
         dev = self.drafter.device
@@ -128,12 +119,7 @@ class DraftHeadGraphs:
         torch.cuda.synchronize(dev)
         self.timings["draft_warmup_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward(size)
-            self.graphs[size] = graph
+        self.graphs = capture_sizes(self.forward, self.sizes, self.outputs)
         torch.cuda.synchronize(dev)
         self.timings["draft_capture_s"] = time.perf_counter() - start
         self.verified_size = self.verify()
@@ -226,11 +212,7 @@ class DraftHeadGraphs:
                    (self.chain_positions[:, :size], chain_pos), (self.chain_seq_lens[:, :size], chain_pos + 1),
                    (self.chain_slots[:, :size], chain_slots), (self.tables[:size], tables), (None, hidden_rows)]
         host = np.concatenate([v.reshape(-1) for _, v in columns])
-        staged = torch.from_numpy(host)
-        dev = self.drafter.device
-        if dev.type == "cuda":
-            staged = staged.pin_memory()
-        staged = staged.to(dev, non_blocking=True)
+        staged = stage(host, self.drafter.device)
         offset = 0
         for target, values in columns:
             part = staged[offset:offset + values.size]

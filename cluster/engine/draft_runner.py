@@ -30,18 +30,15 @@ layer's KV at that one position is approximate (acceptance, never output, can ch
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from cluster.engine.cuda_graphs import GraphStatus, GraphUnsafeError
+from cluster.engine.cuda_graphs import GraphStatus, capture_with_status
 from cluster.engine.draft_graphs import DraftHeadGraphs
 from cluster.models.context import ForwardContext
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,17 +91,9 @@ class DraftHeadRunner:
             self.graph_status = GraphStatus(reason=f"the device is {self.device.type}: CUDA graphs need a CUDA device")
             return self.graph_status
         graphs = DraftHeadGraphs(self, num_tokens, max_batch, table_width, max_model_len, emulate=emulate)
-        try:
-            graphs.capture()
-        except Exception as exc:  # noqa: BLE001 - the head still drafts, eagerly
-            what = "self-check failed" if isinstance(exc, GraphUnsafeError) else "capture failed"
-            self.graph_status = GraphStatus(reason=f"{what}: {type(exc).__name__}: {exc}")
-            logger.warning("draft-head CUDA graphs: %s; the head's passes run eagerly", what, exc_info=True)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return self.graph_status
-        self.graphs = graphs
-        self.graph_status = GraphStatus(sizes=tuple(graphs.sizes), verified_size=graphs.verified_size)
+        self.graph_status = capture_with_status(graphs, self.device, "draft-head", "the head's passes run eagerly")
+        if self.graph_status.captured:
+            self.graphs = graphs
         return self.graph_status
 
     # --- state -----------------------------------------------------------------------------------

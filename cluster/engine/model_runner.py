@@ -4,7 +4,6 @@ turns a SchedulerOutput (its only input: no live request is read here) into the 
 rows whose chunk reached the end of the request."""
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,14 +14,11 @@ import torch
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
 from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
-from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, GraphUnsafeError
+from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, capture_with_status
 from cluster.engine.draft_runner import DraftHeadRunner, DraftJob
 from cluster.engine.sampler import Sampler, SamplingRow, to_device
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from cluster.models.context import ForwardContext
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class RunnerOutput:
@@ -80,17 +76,9 @@ class ModelRunner:
             return self.graph_status
         graphs = DecodeGraphs(self.model, self.specs, self.kv_caches, self.device, max_batch, max_model_len,
                               emulate=emulate)
-        try:
-            graphs.capture()
-        except Exception as exc:  # noqa: BLE001 - a model that cannot be captured still serves, eagerly
-            what = "self-check failed" if isinstance(exc, GraphUnsafeError) else "capture failed"
-            self.graph_status = GraphStatus(reason=f"{what}: {type(exc).__name__}: {exc}")
-            logger.warning("decode CUDA graphs: %s", what, exc_info=True)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return self.graph_status
-        self.graphs = graphs
-        self.graph_status = GraphStatus(sizes=tuple(graphs.sizes), verified_size=graphs.verified_size)
+        self.graph_status = capture_with_status(graphs, self.device, "decode", "decode steps run eagerly")
+        if self.graph_status.captured:
+            self.graphs = graphs
         return self.graph_status
 
     @torch.inference_mode()
