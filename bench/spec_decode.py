@@ -219,6 +219,10 @@ def main() -> None:
         "fast_paths": {"device": str(engines["none"].device),
                        "cuda_graphs_captured": {m: e.runner.graph_status.captured for m, e in engines.items()},
                        "pipelined_decode": {m: e._pipelined for m, e in engines.items()},
+                       "pipelined_verify": {m: e._spec_pipelined or e.spec_pipeline_status
+                                            for m, e in engines.items() if m != "none"},
+                       "pipelined_verify_steps": {m: e.num_pipelined_verify_steps for m, e in engines.items()},
+                       "sync_steps": {m: e.num_sync_steps for m, e in engines.items()},
                        "graph_steps": {m: e.runner.num_graph_steps for m, e in engines.items()},
                        "eager_steps": {m: e.runner.num_eager_steps for m, e in engines.items()},
                        "kernels": sorted({r["impl"] for r in engines["none"].backends() if r["component"] != "cuda_graphs"}),

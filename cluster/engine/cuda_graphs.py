@@ -323,3 +323,30 @@ class DecodeGraphs:
             self.input_ids[:size].copy_(take_pending_tokens(self.input_ids[:size], rows, token_source[1]))
         self.graphs[size].replay()
         return self.outputs[size][:n]
+
+    @torch.inference_mode()
+    def run_on_device(self, input_ids: torch.Tensor, positions: torch.Tensor, tables: list[torch.Tensor],
+                      owner: torch.Tensor) -> torch.Tensor:
+        """Replay for ``n`` decode rows whose tokens and positions are on the device (a pipelined
+        verify step: the host does not know how far the step in flight advanced): row ``i`` is one
+        query at ``positions[i]`` over the block table ``tables[g][owner[i]]`` of each group ``g``
+        (``[B, W]`` on the device), its slot looked up there. Returns hidden states ``[n, H]``."""
+        n = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.seq_lens[:n].copy_(positions + 1)
+        self.input_ids[n:size].zero_()
+        self.positions[n:size].zero_()
+        self.seq_lens[n:size].fill_(1)
+        for spec, table, dest, slots in zip(self.specs, tables, self.block_tables, self.slot_mappings):
+            rows = table.index_select(0, owner)  # [n, W]
+            dest[:size].zero_()
+            dest[:n, :rows.shape[1]].copy_(rows)
+            if slots is not None:
+                bs = spec.block_size
+                index = (positions // bs).clamp(max=rows.shape[1] - 1)
+                slots[:n].copy_(rows.gather(1, index[:, None])[:, 0].long() * bs + positions % bs)
+                slots[n:size].fill_(-1)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]

@@ -66,6 +66,7 @@ class DraftHeadGraphs:
             self.chain_slots = torch.full((max(1, self.k - 1), b), -1, dtype=torch.int64)
             self.tables = torch.zeros((b, table_width), dtype=torch.int32)
             self.query_start_loc = torch.arange(b * r + 1, dtype=torch.int32)
+            self.offsets = torch.arange(r, dtype=torch.int64)
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.timings: dict[str, float] = {}
@@ -221,5 +222,48 @@ class DraftHeadGraphs:
                 self.first_hidden.index_copy_(0, part, torch.cat([st.hidden for st in states]).to(self.first_hidden.dtype))
             else:
                 target.copy_(part.view(target.shape))
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
+
+    @torch.inference_mode()
+    def run_after_verify(self, tables: torch.Tensor, base: torch.Tensor, inputs: torch.Tensor,
+                         accepted: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The next proposal for ``n`` requests, from a verify step's results on the device, with
+        no host value (pipelined speculative decoding): ``tables [n, W]`` their block tables,
+        ``base [n]`` the verify step's first position, ``inputs [n, k + 1]`` its input tokens
+        (the last known token, then the drafts), ``accepted [n]`` how many drafts it accepted,
+        ``token [n]`` the target's token after them and ``hidden [n * (k + 1), H]`` its rows'
+        hidden states. Every request drafts ``k`` tokens (the caller leaves room for them).
+
+        The first pass covers the positions ``base + 1 .. base + accepted + 1`` (the accepted
+        drafts, then ``token``), each reading the verify row before it, exactly the pending
+        positions of ``run``; rows past a request's ``accepted + 1`` write nowhere."""
+        n = base.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        r, k, bs = self.rows, self.k, self.drafter.block_size
+        width = tables.shape[1]
+        j = self.offsets[None, :]  # [1, r]
+        live = j <= accepted[:, None]  # [n, r]
+        ids = torch.where(j == accepted[:, None], token[:, None], torch.cat((inputs[:, 1:], token[:, None]), dim=1))
+        positions = torch.where(live, base[:, None] + 1 + j, 0)
+        blocks = tables.gather(1, (positions // bs).clamp(max=width - 1)).long()
+        slots = torch.where(live, blocks * bs + positions % bs, -1)
+        m = n * r
+        for buffer, values, pad in ((self.first_ids, ids, 0), (self.first_positions, positions, 0),
+                                    (self.first_seq_lens, positions + 1, 1), (self.first_slots, slots, -1)):
+            buffer[:m].copy_(values.reshape(-1))
+            buffer[m:size * r].fill_(pad)
+        self.first_hidden[:m].copy_(hidden)
+        self.last_rows[:n].copy_(torch.arange(n, device=base.device) * r + accepted)
+        self.last_rows[n:size].copy_(torch.arange(n, size, device=base.device) * r)
+        if k > 1:
+            chain = (base + accepted + 1)[None, :] + self.offsets[1:k, None]  # [k - 1, n]
+            blocks = tables.gather(1, (chain // bs).clamp(max=width - 1).T).T.long()
+            for buffer, values, pad in ((self.chain_positions, chain, 0), (self.chain_seq_lens, chain + 1, 1),
+                                        (self.chain_slots, blocks * bs + chain % bs, -1)):
+                buffer[:, :n].copy_(values)
+                buffer[:, n:size].fill_(pad)
+        self.tables[:size].zero_()
+        self.tables[:n, :width].copy_(tables)
         self.graphs[size].replay()
         return self.outputs[size][:n]

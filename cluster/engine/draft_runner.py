@@ -114,6 +114,19 @@ class DraftHeadRunner:
         if st is not None and st.start == position and st.hidden.shape[0] == 1 and not st.tokens:
             self.states[child] = DraftState(position, st.hidden.clone())
 
+    def resume(self, request_id: str, position: int, hidden: torch.Tensor) -> None:
+        """A pipelined verify step left the request's newest token at ``position``, with the
+        target's ``hidden [1, H]`` state at ``position - 1``: the head's KV is written below it
+        (the device drafted on from there; a proposal made here would redo that position)."""
+        self.states[request_id] = DraftState(position, hidden.to(self.head.fc.weight.dtype))
+
+    def count_device_proposal(self, num_requests: int) -> None:
+        """A proposal drafted on the device from a verify step (``DraftHeadGraphs.run_after_verify``)."""
+        assert self.graphs is not None
+        self.num_graph_proposals += 1
+        self.num_passes += self.graphs.k
+        self.num_positions += num_requests * (2 * self.graphs.k)  # rows computed: k + 1 and k - 1 per request
+
     def written_upto(self, request_id: str) -> int | None:
         """Positions below this have the head's KV written (None: no state, nothing lags)."""
         st = self.states.get(request_id)

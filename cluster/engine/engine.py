@@ -5,6 +5,7 @@
     intake.py      requests in and out: validation, tokenizing, n samples and their forks, abort, deadlines
     step_loop.py   ``step()``: schedule, fill the runner's inputs, run, process tokens, collect deltas
     pipeline.py    pipelined decode: launch step N+1 before reading step N's tokens
+    spec_pipeline.py  the same for verify steps: acceptance and the next proposal on the device
     remote_kv.py   requests whose prompt another worker prefills (decode role), quarantined blocks
 
 Requests come in through ``add_request``/``add_group`` and leave as RequestOutput deltas (what
@@ -31,6 +32,7 @@ from cluster.engine.pipeline import InFlightStep, Pipelining
 from cluster.engine.remote_kv import RemoteKV
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec_decode import Proposer, SpecDecodeStats, make_proposer
+from cluster.engine.spec_pipeline import InFlightVerify, SpecPipelining
 from cluster.engine.step_loop import StepLoop
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.draft_head import DEFAULT_DRAFT_HEADS, default_draft_head_path, load_draft_head
@@ -81,7 +83,7 @@ def draft_head_kv_specs(specs: list[KVGroupSpec]) -> list[KVGroupSpec]:
     return [dataclasses.replace(specs[0], num_layers=specs[0].num_layers + 1)]
 
 
-class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
+class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, loaded: LoadedModel | None = None,
                  kv_allocator: KVAllocator | None = None) -> None:
@@ -120,6 +122,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         #: (request id, tokens computed before, tokens computed) of every request in the last step.
         self.last_step: list[tuple[str, int, int]] = []
         self._in_flight: InFlightStep | None = None
+        self._verify_in_flight: InFlightVerify | None = None
         #: Held samples' first tokens (and logprobs), drawn from sample 0's prompt logits here or
         #: by the prefill worker, until they fork (``_settle_held``).
         self._first_tokens: dict[str, tuple[int, PositionLogprobs | None]] = {}
@@ -127,9 +130,11 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         self.num_forked_samples = 0
         self._pipelined = (self.scheduler_config.async_scheduling and self.runner.graphs is not None
                            and not self.scheduler_config.prefill_only and self.proposer is None)
-        #: Steps launched pipelined / run synchronously (metrics, tests).
+        #: Steps launched pipelined (verify steps among them) / run synchronously (metrics, tests).
         self.num_pipelined_steps = 0
+        self.num_pipelined_verify_steps = 0
         self.num_sync_steps = 0
+        self._init_spec_pipelining()
 
     # --- start-up --------------------------------------------------------------------------------
 
@@ -175,6 +180,34 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
             logger.warning("draft-head CUDA graphs are OFF (%s): every proposal launches its k passes' kernels "
                            "from Python, slower than the verify step it feeds", status.reason)
 
+    def _init_spec_pipelining(self) -> None:
+        """Verify steps run pipelined (spec_pipeline.py) with the draft head, ``async_scheduling``
+        and both its proposal and the verify steps in CUDA graphs; said loudly where a GPU
+        speculates without it."""
+        #: Why verify steps run synchronously ("" where they are pipelined).
+        self.spec_pipeline_status = self._spec_pipeline_blocker() if self.proposer is not None else "no speculation"
+        self._spec_pipelined = not self.spec_pipeline_status
+        if self.proposer is None:
+            return
+        if self._spec_pipelined:
+            logger.info("speculative decoding: verify steps pipelined (acceptance and the next proposal on the device)")
+        elif self.device.type == "cuda":
+            logger.warning("speculative decoding: verify steps run synchronously (%s): the GPU waits for the host "
+                           "between steps", self.spec_pipeline_status)
+
+    def _spec_pipeline_blocker(self) -> str:
+        """Why verify steps cannot run pipelined ("" where they can)."""
+        if self.model_config.speculative_method != "draft_head":
+            return f"speculative_method={self.model_config.speculative_method!r} proposes on the host"
+        if not self.scheduler_config.async_scheduling:
+            return "async_scheduling is off"
+        drafter = self.runner.drafter
+        if self.runner.graphs is None:
+            return f"decode CUDA graphs {self.runner.graph_status.describe()}"
+        if drafter is None or drafter.graphs is None:
+            return f"draft-head CUDA graphs {drafter.graph_status.describe() if drafter else 'missing'}"
+        return ""
+
     def _init_speculation(self) -> None:
         """The draft proposer (None: no speculation; prefill-only engines never draft). Refused
         where the model's KV cannot be rolled back past rejected drafts."""
@@ -192,13 +225,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
                 f"model has {', '.join(fixed)} KV groups (a state updated in place)", param="speculative_method")
         self.proposer = make_proposer(self.model_config)
         self.spec_stats = SpecDecodeStats(self.model_config.num_speculative_tokens)
-        note = ""
-        if self.device.type == "cuda":
-            note = ("; pipelined decode is off while speculation is on (not built for verify steps yet); "
-                    "verify steps replay the decode graphs, one row per verified position")
-        (logger.warning if note else logger.info)(
-            "speculative decoding: %s, %d draft tokens per step%s", method,
-            self.model_config.num_speculative_tokens, note)
+        logger.info("speculative decoding: %s, %d draft tokens per step, each verified position a decode row",
+                    method, self.model_config.num_speculative_tokens)
 
     def _init_draft_head(self) -> None:
         """Load the draft head (its KV: the last layer of the full-attention group, added by
@@ -279,8 +307,10 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         if self.proposer is not None:
             reason = (f"{self.model_config.num_speculative_tokens} draft tokens per verify step, each verified "
                       "position a decode row (in the decode graphs where they fit)")
-            if self.device.type == "cuda":
-                reason += "; pipelined decode off"
+            if self._spec_pipelined:
+                reason += "; verify steps pipelined (acceptance and the next proposal on the device)"
+            else:
+                reason += f"; verify steps synchronous ({self.spec_pipeline_status})"
             rows.append({"component": "speculative_decoding", "op": "verify_step", "impl": self.proposer.name,
                          "device": device, "role": "draft", "format": "-", "reason": reason})
         if self.runner.drafter is not None:
@@ -303,6 +333,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
         }
         if self.runner.drafter is not None:
             out["draft_head_graphs_captured"] = float(self.runner.drafter.graph_status.captured)
+        if self.proposer is not None:
+            out["spec_decode_pipelined"] = float(self._spec_pipelined)
         return out
 
     def counters(self) -> dict[str, float]:
@@ -313,6 +345,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, RemoteKV):
                "eager_steps_total": float(self.runner.num_eager_steps)}
         if self.spec_stats is not None:
             out.update(self.spec_stats.counters())
+            out["spec_decode_pipelined_steps_total"] = float(self.num_pipelined_verify_steps)
         if self.runner.drafter is not None:
             out.update(self.runner.drafter.counters())
         return out

@@ -14,7 +14,7 @@ import torch
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
 from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
-from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, capture_with_status
+from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, capture_with_status, stage
 from cluster.engine.draft_runner import DraftHeadRunner, DraftJob
 from cluster.engine.sampler import Sampler, SamplingRow, to_device
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -29,6 +29,26 @@ class RunnerOutput:
     #: chunk's last ``k + 1`` positions, and their logprobs.
     verified: dict[str, list[int]] = field(default_factory=dict)
     verified_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+
+
+@dataclass
+class VerifyLaunch:
+    """A verify step launched with its acceptance and the draft head's next proposal on the
+    device (pipelined speculative decoding, ``ModelRunner.launch_verify``): nothing read yet."""
+
+    #: ``[n, k + 1]`` the target's token at each verified position; ``[n]`` drafts accepted.
+    targets: torch.Tensor
+    accepted: torch.Tensor
+    #: The next verify step's input tokens ``[n, k + 1]`` (the target's token after the
+    #: accepted drafts, then the head's ``k`` drafts) and first positions ``[n]``.
+    next_inputs: torch.Tensor
+    next_base: torch.Tensor
+    #: ``[n, H]`` the target's hidden state at ``next_base - 1``.
+    last_hidden: torch.Tensor
+    #: ``targets`` then ``accepted`` (int64), copied to the host asynchronously, and the event
+    #: after the copy (None on a CPU, where everything has run).
+    host: torch.Tensor
+    done: torch.cuda.Event | None
 
 
 #: Allocates KV storage ``[num_blocks, num_layers, *block_shape]`` per group (e.g. in shared memory
@@ -156,6 +176,47 @@ class ModelRunner:
             hidden = self.model(input_ids, ctx)
         logits = self.model.compute_logits(hidden)  # decode-only: row i is sequence i
         return self.sampler.sample_tokens(logits, [s.sampling[0][1] for s in sched.scheduled])
+
+    def can_launch_verify(self, num_requests: int, num_tokens: int) -> bool:
+        """Whether ``launch_verify`` can run ``num_requests`` requests verifying ``num_tokens``
+        drafts each: the decode and draft graphs are captured and hold them."""
+        drafter = self.drafter
+        return (self.graphs is not None and drafter is not None and drafter.graphs is not None
+                and drafter.graphs.k == num_tokens and 0 < num_requests <= drafter.graphs.max_batch
+                and num_requests * (1 + num_tokens) <= self.graphs.max_batch)
+
+    @torch.inference_mode()
+    def launch_verify(self, tables: np.ndarray, rows: list[SamplingRow], inputs: torch.Tensor,
+                      base: torch.Tensor) -> VerifyLaunch:
+        """A verify step of ``n`` requests (``can_launch_verify``), without waiting for the GPU:
+        ``inputs [n, k + 1]`` (each request's last known token, then its drafts) at positions
+        ``base [n]`` on, one decode row each in the decode graph; every row sampled on the device
+        (``rows``, request by request), the drafts accepted while they equal the target's tokens,
+        and the draft head's next ``k`` drafts from the draft graph. ``tables [n, W]``: the
+        requests' blocks (their one full-attention group), covering every position written."""
+        assert self.graphs is not None and self.drafter is not None and self.drafter.graphs is not None
+        n, r = inputs.shape
+        dev = self.device
+        table = stage(np.ascontiguousarray(tables, dtype=np.int32), dev)
+        positions = (base[:, None] + torch.arange(r, device=dev)).reshape(-1)
+        hidden = self.graphs.run_on_device(inputs.reshape(-1), positions, [table],
+                                           torch.arange(n * r, device=dev) // r)  # [n * r, H]
+        self.num_graph_steps += 1
+        targets = self.sampler.sample_tokens(self.model.compute_logits(hidden), rows).view(n, r)
+        accepted = (inputs[:, 1:] == targets[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [n]
+        token = targets.gather(1, accepted[:, None])[:, 0]
+        drafts = self.drafter.graphs.run_after_verify(table, base, inputs, accepted, token, hidden)
+        self.drafter.count_device_proposal(n)
+        last_hidden = hidden.index_select(0, torch.arange(n, device=dev) * r + accepted)
+        packed = torch.cat((targets.reshape(-1), accepted))
+        host, done = packed, None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return VerifyLaunch(targets, accepted, torch.cat((token[:, None], drafts), dim=1), base + accepted + 1,
+                            last_hidden, host, done)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:

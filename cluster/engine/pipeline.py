@@ -19,6 +19,7 @@ from cluster.engine.model_runner import ModelRunner
 from cluster.engine.output_processor import RequestGroup
 from cluster.engine.request import RequestStatus
 from cluster.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from cluster.engine.spec_pipeline import InFlightVerify
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class Pipelining:
     runner: ModelRunner
     _sample_group: dict[str, RequestGroup]
     _in_flight: InFlightStep | None
+    _verify_in_flight: InFlightVerify | None
     num_pipelined_steps: int
 
     def _pipeline_ready(self) -> bool:
@@ -81,7 +83,7 @@ class Pipelining:
         except Exception as exc:  # noqa: BLE001 - as in step(): fail the batch, keep the loop
             logger.exception("model step failed")
             self._complete_in_flight()
-            self._fail([s for s in sched.scheduled if s.request.status is RequestStatus.RUNNING], exc)
+            self._fail([s.request for s in sched.scheduled if s.request.status is RequestStatus.RUNNING], exc)
             return
         self.num_pipelined_steps += 1
         for s in sched.scheduled:
@@ -93,9 +95,13 @@ class Pipelining:
             self._complete(previous)
 
     def _complete_in_flight(self) -> None:
+        """Read the step in flight, a decode step or a verify step (spec_pipeline.py), if any."""
         if self._in_flight is not None:
             step, self._in_flight = self._in_flight, None
             self._complete(step)
+        if self._verify_in_flight is not None:
+            verify, self._verify_in_flight = self._verify_in_flight, None
+            self._complete_verify(verify)
 
     def _complete(self, step: InFlightStep) -> None:
         """Read a pipelined step's tokens (waiting for it) and process them as a step would."""

@@ -272,10 +272,19 @@ class Scheduler:
         last accepted draft is kept, the blocks only rejected drafts wrote are freed."""
         request = scheduled.request
         k = len(scheduled.draft_token_ids)
-        request.num_computed_tokens = scheduled.num_computed_tokens + scheduled.num_new_tokens - k + num_accepted
+        computed = scheduled.num_computed_tokens + scheduled.num_new_tokens - k + num_accepted
         if request.status is RequestStatus.RUNNING:
-            self.kv.truncate(request.request_id, request.num_computed_tokens)
-            self._cache_full_blocks(request)
+            self.advance_verified(request, computed, computed)
+        else:
+            request.num_computed_tokens = computed
+
+    def advance_verified(self, request: Request, num_computed: int, keep: int) -> None:
+        """A verify step's outcome: the KV of ``num_computed`` tokens is kept, and the blocks
+        past those covering ``keep >= num_computed`` tokens (a pipelined step in flight writes
+        up to there) are freed."""
+        request.num_computed_tokens = num_computed
+        self.kv.truncate(request.request_id, keep)
+        self._cache_full_blocks(request)
 
     def _cache_full_blocks(self, request: Request) -> None:
         upto = request.num_computed_tokens

@@ -3,7 +3,8 @@ process the outputs. The engine fills each scheduled request's runner inputs (``
 token ids, sampling rows) right before the runner reads them, so the runner sees the
 SchedulerOutput only. Sampled tokens go through one path (``_take_token``: append, stop checks,
 detokenization, a delta for the request's group); ``_collect`` returns the step's deltas. It
-uses pipelining's ``_pipeline_ready``/``_launch``/``_complete_in_flight``, intake's
+uses pipelining's ``_pipeline_ready``/``_launch``/``_complete_in_flight``, speculative
+pipelining's ``_launch_verify_from_device``/``_launch_verify_from_host``, intake's
 ``_expire_deadlines``/``_forks``/``_settle_held``/``_finish_group_if_done`` and remote KV's
 ``_release_quarantine``."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
 from cluster.engine.model_runner import ModelRunner, RunnerOutput
 from cluster.engine.output_processor import OutputProcessor, RequestGroup
 from cluster.engine.pipeline import InFlightStep
+from cluster.engine.spec_pipeline import InFlightVerify
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import SamplingRow
 from cluster.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -41,6 +43,7 @@ class StepLoop:
     _quarantine: list[tuple[float, list[list[int]]]]
     _first_tokens: dict[str, tuple[int, PositionLogprobs | None]]
     _in_flight: InFlightStep | None
+    _verify_in_flight: InFlightVerify | None
     _pipelined: bool
     last_step: list[tuple[str, int, int]]
     num_sync_steps: int
@@ -51,11 +54,13 @@ class StepLoop:
         """Anything to step for: unfinished requests, outputs not yet returned, quarantined blocks,
         a pipelined step in flight."""
         return (bool(self.groups) or bool(self._pending) or bool(self._quarantine)
-                or self._in_flight is not None)
+                or self._in_flight is not None or self._verify_in_flight is not None)
 
     def step(self) -> list[RequestOutput]:
         self._release_quarantine()
         self._expire_deadlines()
+        if self._launch_verify_from_device():  # pipelined speculative decoding goes on
+            return self._collect()
         if self._pipelined and self._pipeline_ready():
             sched = self.scheduler.schedule()  # nothing waits here, so none fails admission
             self._inputs(sched, {})  # no forks: _pipeline_ready refuses a step that draws first tokens
@@ -71,6 +76,8 @@ class StepLoop:
             sched = self.scheduler.schedule()
             if getattr(self.proposer, "device_side", False):
                 self._draft_on_device(sched)
+                if self._launch_verify_from_host(sched):
+                    return self._collect()
         self._begin(sched)
         for request in sched.failed:
             self._mark_changed(request)
@@ -82,7 +89,7 @@ class StepLoop:
                 result = self.runner.execute(sched)
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the loop
                 logger.exception("model step failed")
-                self._fail(sched.scheduled, exc)
+                self._fail([s.request for s in sched.scheduled], exc)
             else:
                 for children in forks.values():
                     for c in children:
@@ -134,10 +141,10 @@ class StepLoop:
         """Record the step in ``last_step``."""
         self.last_step = [(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
 
-    def _fail(self, scheduled: list[ScheduledRequest], exc: Exception) -> None:
-        for s in scheduled:
-            self.scheduler.finish(s.request, RequestStatus.FINISHED_ERROR, error=f"model step failed: {exc}")
-            self._mark_changed(s.request)
+    def _fail(self, requests: list[Request], exc: Exception) -> None:
+        for r in requests:
+            self.scheduler.finish(r, RequestStatus.FINISHED_ERROR, error=f"model step failed: {exc}")
+            self._mark_changed(r)
 
     def _collect(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

@@ -321,7 +321,7 @@ def test_prefill_engines_never_draft(model_dir):
 def test_ngram_on_the_gpu_equals_graph_decode(tmp_path):
     """On a GPU (float32): the n-gram verify steps, replayed from the decode graphs (one row per
     verified position), give the tokens of pipelined graph decode without speculation, greedy and
-    seeded, n samples included, and say that pipelining is off."""
+    seeded, n samples included, and say that their verify steps are not pipelined."""
     path = str(tmp_path / "llama")
     make_checkpoint(path, "llama", seed=11, max_position_embeddings=1024)
     settings = dict(block_size=16, dtype="float32", max_num_seqs=8, max_model_len=512, attention_backend="triton")
@@ -340,7 +340,7 @@ def test_ngram_on_the_gpu_equals_graph_decode(tmp_path):
     assert llm.engine.num_pipelined_steps == 0
     assert llm.engine.runner.num_graph_steps - graph_steps >= llm.engine.spec_stats.num_drafts // 2  # verify in graphs
     row = [r for r in llm.engine.backends() if r["component"] == "speculative_decoding"][0]
-    assert "decode row" in row["reason"] and "pipelined decode off" in row["reason"]
+    assert "decode row" in row["reason"] and "verify steps synchronous" in row["reason"]
     assert llm.engine.kv.usage == 0.0
 
 

@@ -1,0 +1,176 @@
+"""Pipelined speculative decoding (part of LLMEngine, see engine.py; ``async_scheduling`` with the
+draft head, its proposal and the verify steps in CUDA graphs).
+
+Where a verify step's next one starts depends on how many drafts it accepted. A host that reads
+that before it launches the next step leaves the GPU idle while it schedules, builds inputs and
+processes tokens, which for a small model costs as much as the step. So the device decides: one
+launch (``ModelRunner.launch_verify``) runs the verify step, samples every verified position,
+counts the accepted drafts and runs the head's next proposal from the verify rows' hidden states,
+leaving the next step's input tokens and first positions on the device. ``step()`` launches step
+N+1 from them, then reads step N's tokens (one asynchronous copy) and takes them through the
+usual per-token path (stop checks, detokenization, ``max_tokens``).
+
+The host knows each request's KV up to the step in flight's first position
+(``num_computed_tokens``); it allocates blocks for the furthest the steps in flight can write
+(``3k + 2`` tokens past that: a step accepting all ``k`` drafts, then the next step's verify rows
+and its head's chained passes) and frees the rest once it reads how far they went. The head's
+state on the host is left at the newest token (``DraftHeadRunner.resume``), so a synchronous step
+can take over at any point.
+
+A step is launched this way while every running request verifies ``k`` drafts (an epoch starts
+after a synchronous proposal), samples without host data (greedy or unseeded; no penalties,
+logprobs or pending ``min_tokens``), has room for two more steps within ``max_model_len``, gets
+its blocks, and nothing waits. Anything else (a new request, a finished one, an abort) first
+completes the step in flight; the engine then runs synchronously until the next epoch starts.
+Tokens are those of the synchronous verify steps: the same draws, the same acceptance rule. A
+request that stops at step N has step N+1 computed for nothing (its blocks are freed; stream order
+keeps that step's writes before any later one's).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cluster.config import ModelConfig, SchedulerConfig
+from cluster.engine.cuda_graphs import stage
+from cluster.engine.kv_cache_manager import KVCacheManager
+from cluster.engine.model_runner import ModelRunner, VerifyLaunch
+from cluster.engine.output_processor import RequestGroup
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.scheduler import Scheduler, SchedulerOutput
+from cluster.engine.spec_decode import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlightVerify:
+    """A launched pipelined verify step whose tokens are not yet read."""
+
+    requests: list[Request]
+    launch: VerifyLaunch
+
+
+class SpecPipelining:
+    # state shared with the other parts of LLMEngine (set in LLMEngine.__init__)
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    scheduler: Scheduler
+    kv: KVCacheManager
+    runner: ModelRunner
+    spec_stats: SpecDecodeStats | None
+    _sample_group: dict[str, RequestGroup]
+    _verify_in_flight: InFlightVerify | None
+    #: Whether verify steps may run pipelined (see engine.py), and the steps that did.
+    _spec_pipelined: bool
+    num_pipelined_steps: int
+    num_pipelined_verify_steps: int
+
+    def _verify_ready(self, requests: Sequence[Request], reach: int) -> bool:
+        """Whether ``requests``, every running request, can verify ``k`` drafts pipelined, with
+        blocks covering ``reach`` tokens past their ``num_computed_tokens`` (allocated here)."""
+        sch = self.scheduler
+        k = self.model_config.num_speculative_tokens
+        if (sch.waiting or len(requests) != len(sch.running) or any(a is not b for a, b in zip(requests, sch.running))
+                or not self.runner.can_launch_verify(len(requests), k)):
+            return False
+        limit = self.scheduler_config.max_model_len - (3 * k + 2)
+        for r in requests:
+            p = r.sampling_params
+            if (r.status is not RequestStatus.RUNNING or r.num_computed_tokens > limit or p.seed is not None
+                    or p.logprobs is not None or p.has_penalties or r.num_output_tokens < p.min_tokens):
+                return False
+            group = self._sample_group.get(r.request_id)
+            if group is not None and group.held:
+                return False
+        # blocks taken here and then not used are freed when the step's outcome is read
+        return all(self.kv.allocate(r.request_id, r.num_computed_tokens + reach) for r in requests)
+
+    def _launch_verify_from_host(self, sched: SchedulerOutput) -> bool:
+        """Start an epoch: launch this step's verify step pipelined, its drafts just proposed on
+        the host, if the whole batch qualifies."""
+        k = self.model_config.num_speculative_tokens
+        if not self._spec_pipelined or sched.failed or sched.preempted:
+            return False
+        for s in sched.scheduled:
+            r = s.request
+            if len(r.spec_token_ids) != k or s.num_new_tokens != k + 1 or s.num_computed_tokens != r.num_tokens - 1:
+                return False
+        requests = [s.request for s in sched.scheduled]
+        if not self._verify_ready(requests, 2 * k + 1):  # this step: verify to base + k, drafts to base + 2k
+            return False
+        inputs = np.array([[r.all_token_ids[-1], *r.spec_token_ids] for r in requests], dtype=np.int64)
+        base = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+        self._begin(sched)
+        dev = self.runner.device
+        self._launch_verify(requests, stage(inputs, dev), stage(base, dev))
+        return True
+
+    def _launch_verify_from_device(self) -> bool:
+        """Continue an epoch: launch the next verify step from the one in flight's results on
+        the device, then read that one. False (nothing launched) where the batch no longer
+        qualifies: the caller completes the step in flight and steps synchronously."""
+        step = self._verify_in_flight
+        k = self.model_config.num_speculative_tokens
+        if step is None or not self._verify_ready(step.requests, 3 * k + 2):
+            return False
+        # the host does not know the step's positions: record where the step in flight starts
+        self.last_step = [(r.request_id, r.num_computed_tokens, k + 1) for r in step.requests]
+        self._launch_verify(step.requests, step.launch.next_inputs, step.launch.next_base)
+        return True
+
+    def _launch_verify(self, requests: list[Request], inputs: torch.Tensor, base: torch.Tensor) -> None:
+        previous = self._verify_in_flight
+        k = self.model_config.num_speculative_tokens
+        tables = self.kv.block_tables
+        rows = [tables(r.request_id)[0] for r in requests]
+        table = np.zeros((len(rows), max(len(t) for t in rows)), dtype=np.int32)
+        for i, t in enumerate(rows):
+            table[i, :len(t)] = t
+        sampling = [row for r in requests for row in [self._sampling_row(r)] * (k + 1)]
+        try:
+            launch = self.runner.launch_verify(table, sampling, inputs, base)
+        except Exception as exc:  # noqa: BLE001 - as in step(): fail the batch, keep the loop
+            logger.exception("model step failed")
+            self._verify_in_flight = None
+            if previous is not None:
+                self._complete_verify(previous)
+            self._fail([r for r in requests if r.status is RequestStatus.RUNNING], exc)
+            return
+        self.num_pipelined_steps += 1
+        self.num_pipelined_verify_steps += 1
+        self._verify_in_flight = InFlightVerify(requests, launch)
+        if previous is not None:
+            self._complete_verify(previous)
+
+    def _complete_verify(self, step: InFlightVerify) -> None:
+        """Read a pipelined verify step's tokens (waiting for it) and take them as a synchronous
+        verify step would; then each request's KV and head state stand at its newest token, with
+        the blocks a successor in flight writes kept."""
+        launch = step.launch
+        if launch.done is not None:
+            launch.done.synchronize()
+        values = launch.host.tolist()
+        k = self.model_config.num_speculative_tokens
+        n, r = len(step.requests), k + 1
+        successor = self._verify_in_flight
+        ahead = {id(x) for x in successor.requests} if successor is not None else set()
+        assert self.spec_stats is not None and self.runner.drafter is not None
+        for i, request in enumerate(step.requests):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished, aborted or preempted meanwhile: this step's tokens are dropped
+            accepted = values[n * r + i]
+            self.spec_stats.record(k, accepted)
+            for token in values[i * r:i * r + accepted + 1]:
+                self._take_token(request, token, None)
+                if request.status is not RequestStatus.RUNNING:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                computed = request.num_computed_tokens + accepted + 1
+                keep = computed + (2 * k + 1 if id(request) in ahead else 0)
+                self.scheduler.advance_verified(request, computed, keep)
+                self.runner.drafter.resume(request.request_id, computed, launch.last_hidden[i:i + 1])

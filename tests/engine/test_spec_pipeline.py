@@ -1,0 +1,169 @@
+"""Pipelined speculative decoding (cluster/engine/spec_pipeline.py) on the CPU: verify steps and
+the head's proposals replayed from emulated CUDA graphs (static buffers, padding rows, the Triton
+kernels interpreted, host reads refused inside a replay), each step launched from the previous
+one's results on the device before that one's tokens are read. Greedy output equals decoding
+without speculation token for token, through stop strings and tokens, ``max_tokens`` inside an
+accepted run, n samples, ``max_model_len``, requests that need synchronous steps, arrivals and
+aborts mid-epoch; the drafts accepted are the synchronous verify steps'; every block and head
+state is freed."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from tests.engine.test_draft_head import K, head_llm, save_head, summary, tiny, train_head, train_prompts  # noqa: F401
+from tests.factories import make_checkpoint
+
+SETTINGS = dict(block_size=16, dtype="float32", attention_backend="triton", max_num_seqs=4, max_model_len=160)
+
+
+def graph_llm(tiny, pipelined: bool = True, **kwargs) -> LLM:  # noqa: F811 - the fixture's value
+    """The draft-head engine with emulated decode and draft graphs (captured by hand: a CPU has
+    none), its verify steps pipelined or not."""
+    settings = {**SETTINGS, **kwargs}
+    llm = head_llm(tiny, enforce_eager=True, **settings)
+    engine = llm.engine
+    assert not engine._spec_pipelined and "CUDA graphs" in engine.spec_pipeline_status
+    assert engine.runner.capture_cuda_graphs(4 * (1 + K), settings["max_model_len"], emulate=True).captured
+    engine._capture_draft_graphs(emulate=True)
+    engine._init_spec_pipelining()
+    assert engine._spec_pipelined and engine.spec_pipeline_status == ""
+    engine._spec_pipelined = pipelined
+    return llm
+
+
+def plain(tiny, **kwargs) -> LLM:  # noqa: F811
+    return LLM(tiny[0], **{**SETTINGS, **kwargs})
+
+
+def test_greedy_output_equals_no_speculation(tiny):  # noqa: F811
+    prompts = train_prompts()[:4]
+    base = plain(tiny).generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    text = base[2].outputs[0].text
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),  # max_tokens inside a run
+              SamplingParams(temperature=0.0, max_tokens=32, stop=[text[len(text) // 2:len(text) // 2 + 3]]),
+              SamplingParams(temperature=0.0, max_tokens=28, n=2, ignore_eos=True,
+                             stop_token_ids=[base[3].outputs[0].token_ids[21]])]
+    want = summary(plain(tiny).generate(prompts, params))
+    sync = graph_llm(tiny, pipelined=False)
+    assert summary(sync.generate(prompts, params)) == want
+    llm = graph_llm(tiny)
+    assert summary(llm.generate(prompts, params)) == want
+    engine = llm.engine
+    assert engine.num_pipelined_verify_steps >= 10 and sync.engine.num_pipelined_verify_steps == 0
+    # the device's proposals are the host's: the same drafts accepted, position by position
+    assert engine.spec_stats.accepted_per_pos == sync.engine.spec_stats.accepted_per_pos
+    assert engine.spec_stats.num_accepted_tokens > 10
+    drafter = engine.runner.drafter
+    assert drafter.num_eager_proposals == 0 and drafter.num_graph_proposals > engine.num_pipelined_verify_steps
+    assert engine.counters()["spec_decode_pipelined_steps_total"] == engine.num_pipelined_verify_steps
+    assert engine.metrics()["spec_decode_pipelined"] == 1.0
+    row = [r for r in engine.backends() if r["component"] == "speculative_decoding"][0]
+    assert "verify steps pipelined" in row["reason"]
+    assert engine.kv.usage == 0.0 and not drafter.states
+    engine.step()  # generate returns once every request finished; the step in flight is read next
+    assert engine._verify_in_flight is None and not engine.has_work()
+
+
+def test_requests_that_need_host_data_and_the_context_limit(tiny):  # noqa: F811
+    """A seeded request and one with logprobs keep the batch synchronous while they run; a
+    request that runs into max_model_len leaves the pipeline for its last steps."""
+    prompts = train_prompts()[:3] + [train_prompts()[4] * 3]
+    params = [SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=9, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)]  # stops at max_model_len
+    want = summary(plain(tiny, max_model_len=64).generate(prompts, params))
+    llm = graph_llm(tiny, max_model_len=64)
+    got = llm.generate(prompts, params)
+    assert summary(got) == want
+    assert got[3].outputs[0].finish_reason == "length"
+    assert len(got[3].prompt_token_ids) + len(got[3].outputs[0].token_ids) == 64
+    assert llm.engine.num_pipelined_verify_steps > 3 and llm.engine.num_sync_steps > 6
+    assert llm.engine.kv.usage == 0.0
+
+
+def test_arrivals_aborts_and_sampling_free_every_block(tiny):  # noqa: F811
+    """Requests arriving and aborted between steps while verify steps are in flight, greedy and
+    unseeded sampling (which pipeline too): the greedy ones that finish give decoding's tokens,
+    and every block and head state is freed."""
+    llm = graph_llm(tiny)
+    engine = llm.engine
+    prompts = train_prompts()
+    rng = random.Random(3)
+    greedy: dict[str, tuple[list[int], int]] = {}
+    live: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    finished: set[str] = set()
+
+    def step() -> None:
+        for out in engine.step():  # deltas: each step's new tokens
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids if out.outputs else [])
+            if out.finished:
+                finished.add(out.request_id)
+    for i in range(12):
+        rid = f"r{i}"
+        prompt, n = rng.choice(prompts), rng.randrange(4, 24)
+        temperature = rng.choice([0.0, 0.0, 0.9])
+        engine.add_request(rid, prompt, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True))
+        if temperature == 0.0:
+            greedy[rid] = (prompt, n)
+        live.append(rid)
+        for _ in range(rng.randrange(1, 6)):
+            step()
+        if rng.random() < 0.3:
+            victim = live.pop(rng.randrange(len(live)))
+            engine.abort_request(victim)
+            greedy.pop(victim, None)
+    while engine.has_work():
+        step()
+    assert engine.num_pipelined_verify_steps > 10
+    done = [rid for rid in greedy if rid in finished]
+    assert len(done) >= 4
+    want = plain(tiny).generate([greedy[rid][0] for rid in done],
+                                [SamplingParams(temperature=0.0, max_tokens=greedy[rid][1], ignore_eos=True) for rid in done])
+    assert [tokens[rid] for rid in done] == [w.outputs[0].token_ids for w in want]
+    assert engine._verify_in_flight is None and engine.kv.usage == 0.0 and not engine.runner.drafter.states
+
+
+def test_ngram_verify_steps_stay_synchronous(tiny):  # noqa: F811
+    """The n-gram proposer reads the newest tokens on the host: its verify steps never pipeline,
+    and /v1/backends says why."""
+    engine = LLM(tiny[0], block_size=4, speculative_method="ngram", num_speculative_tokens=3).engine
+    assert not engine._spec_pipelined and "proposes on the host" in engine.spec_pipeline_status
+    row = [r for r in engine.backends() if r["component"] == "speculative_decoding"][0]
+    assert "verify steps synchronous (speculative_method='ngram' proposes on the host)" in row["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pipelined_verify_steps_on_the_gpu_equal_graph_decode(tmp_path):
+    """On a GPU (float32, Triton attention, real CUDA graphs): verify steps launched from the
+    device, acceptance and the head's proposal with no host read between steps, give the tokens
+    of pipelined graph decode without speculation, greedy, n samples and stops included."""
+    path = str(tmp_path / "llama")
+    make_checkpoint(path, "llama", seed=11, max_position_embeddings=1024)
+    settings = dict(block_size=16, dtype="float32", max_num_seqs=8, max_model_len=512, attention_backend="triton")
+    base = LLM(path, **settings)
+    prompts = train_prompts()[:6]
+    outs = base.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+    head = train_head(base, [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)], steps=40)
+    head_path = save_head(head.cpu(), str(tmp_path / "head.safetensors"))
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, n=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[outs[3].outputs[0].token_ids[25]])]
+    params = [params[i % len(params)] for i in range(len(prompts))]
+    want = summary(base.generate(prompts, params))
+    llm = LLM(path, speculative_method="draft_head", num_speculative_tokens=K, speculative_model=head_path, **settings)
+    engine = llm.engine
+    assert engine._spec_pipelined, engine.spec_pipeline_status
+    assert summary(llm.generate(prompts, params)) == want
+    assert engine.num_pipelined_verify_steps >= 10 and engine.spec_stats.num_accepted_tokens > 0
+    assert engine.runner.drafter.num_eager_proposals == 0 and engine.runner.num_eager_steps <= 4
+    engine.step()
+    assert engine._verify_in_flight is None and engine.kv.usage == 0.0
