@@ -326,13 +326,19 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run_on_device(self, input_ids: torch.Tensor, positions: torch.Tensor, tables: list[torch.Tensor],
-                      owner: torch.Tensor) -> torch.Tensor:
-        """Replay for ``n`` decode rows whose tokens and positions are on the device (a pipelined
-        verify step: the host does not know how far the step in flight advanced): row ``i`` is one
-        query at ``positions[i]`` over the block table ``tables[g][owner[i]]`` of each group ``g``
-        (``[B, W]`` on the device), its slot looked up there. Returns hidden states ``[n, H]``."""
+                      owner: torch.Tensor, live: torch.Tensor | None = None, replay: bool = True) -> torch.Tensor:
+        """Run ``n`` decode rows whose tokens and positions are on the device (a pipelined verify
+        step: the host does not know how far the step in flight advanced): row ``i`` is one query
+        at ``positions[i]`` over the block table ``tables[g][owner[i]]`` of each group ``g``
+        (``[B, W]`` on the device), its slot looked up there; where ``live[owner[i]]`` is false
+        (a padding request) it reads the null block and writes nowhere. Replays the graph, or
+        (``replay=False``, inside another graph's capture) runs its forward on the buffers.
+        Returns hidden states ``[n, H]``."""
         n = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
+        alive = None if live is None else live.index_select(0, owner)  # [n]
+        if alive is not None:
+            positions = torch.where(alive, positions, 0)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.seq_lens[:n].copy_(positions + 1)
@@ -341,12 +347,17 @@ class DecodeGraphs:
         self.seq_lens[n:size].fill_(1)
         for spec, table, dest, slots in zip(self.specs, tables, self.block_tables, self.slot_mappings):
             rows = table.index_select(0, owner)  # [n, W]
+            if alive is not None:
+                rows = torch.where(alive[:, None], rows, 0)
             dest[:size].zero_()
             dest[:n, :rows.shape[1]].copy_(rows)
             if slots is not None:
                 bs = spec.block_size
                 index = (positions // bs).clamp(max=rows.shape[1] - 1)
-                slots[:n].copy_(rows.gather(1, index[:, None])[:, 0].long() * bs + positions % bs)
+                slot = rows.gather(1, index[:, None])[:, 0].long() * bs + positions % bs
+                slots[:n].copy_(slot if alive is None else torch.where(alive, slot, -1))
                 slots[n:size].fill_(-1)
+        if not replay:
+            return self.forward(size)[:n]
         self.graphs[size].replay()
         return self.outputs[size][:n]

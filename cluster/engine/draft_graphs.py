@@ -227,13 +227,16 @@ class DraftHeadGraphs:
 
     @torch.inference_mode()
     def run_after_verify(self, tables: torch.Tensor, base: torch.Tensor, inputs: torch.Tensor,
-                         accepted: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+                         accepted: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor,
+                         live: torch.Tensor | None = None, replay: bool = True) -> torch.Tensor:
         """The next proposal for ``n`` requests, from a verify step's results on the device, with
         no host value (pipelined speculative decoding): ``tables [n, W]`` their block tables,
         ``base [n]`` the verify step's first position, ``inputs [n, k + 1]`` its input tokens
         (the last known token, then the drafts), ``accepted [n]`` how many drafts it accepted,
         ``token [n]`` the target's token after them and ``hidden [n * (k + 1), H]`` its rows'
-        hidden states. Every request drafts ``k`` tokens (the caller leaves room for them).
+        hidden states. Every request drafts ``k`` tokens (the caller leaves room for them); one
+        whose ``live`` is false (padding) writes nowhere. Replays the graph, or (``replay=False``,
+        inside another graph's capture) runs its forward on the buffers.
 
         The first pass covers the positions ``base + 1 .. base + accepted + 1`` (the accepted
         drafts, then ``token``), each reading the verify row before it, exactly the pending
@@ -243,11 +246,13 @@ class DraftHeadGraphs:
         r, k, bs = self.rows, self.k, self.drafter.block_size
         width = tables.shape[1]
         j = self.offsets[None, :]  # [1, r]
-        live = j <= accepted[:, None]  # [n, r]
+        live_rows = j <= accepted[:, None]  # [n, r]
+        if live is not None:
+            live_rows = live_rows & live[:, None]
         ids = torch.where(j == accepted[:, None], token[:, None], torch.cat((inputs[:, 1:], token[:, None]), dim=1))
-        positions = torch.where(live, base[:, None] + 1 + j, 0)
+        positions = torch.where(live_rows, base[:, None] + 1 + j, 0)
         blocks = tables.gather(1, (positions // bs).clamp(max=width - 1)).long()
-        slots = torch.where(live, blocks * bs + positions % bs, -1)
+        slots = torch.where(live_rows, blocks * bs + positions % bs, -1)
         m = n * r
         for buffer, values, pad in ((self.first_ids, ids, 0), (self.first_positions, positions, 0),
                                     (self.first_seq_lens, positions + 1, 1), (self.first_slots, slots, -1)):
@@ -258,12 +263,19 @@ class DraftHeadGraphs:
         self.last_rows[n:size].copy_(torch.arange(n, size, device=base.device) * r)
         if k > 1:
             chain = (base + accepted + 1)[None, :] + self.offsets[1:k, None]  # [k - 1, n]
+            if live is not None:
+                chain = torch.where(live[None, :], chain, 0)
             blocks = tables.gather(1, (chain // bs).clamp(max=width - 1).T).T.long()
+            chain_slots = blocks * bs + chain % bs
+            if live is not None:
+                chain_slots = torch.where(live[None, :], chain_slots, -1)
             for buffer, values, pad in ((self.chain_positions, chain, 0), (self.chain_seq_lens, chain + 1, 1),
-                                        (self.chain_slots, blocks * bs + chain % bs, -1)):
+                                        (self.chain_slots, chain_slots, -1)):
                 buffer[:, :n].copy_(values)
                 buffer[:, n:size].fill_(pad)
         self.tables[:size].zero_()
         self.tables[:n, :width].copy_(tables)
+        if not replay:
+            return self.forward(size)[:n]
         self.graphs[size].replay()
         return self.outputs[size][:n]

@@ -174,6 +174,16 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         self.startup_timings["draft_graphs_s"] = time.perf_counter() - start
         if drafter.graphs is not None:
             self.startup_timings.update(drafter.graphs.timings)
+            start = time.perf_counter()
+            verify = self.runner.capture_verify_graphs(emulate=emulate)
+            self.startup_timings["verify_graphs_s"] = time.perf_counter() - start
+            if self.runner.verify_graphs is not None:
+                self.startup_timings.update(self.runner.verify_graphs.timings)
+            if not verify.captured and self.device.type == "cuda":
+                logger.warning("verify-step CUDA graphs are OFF (%s): each pipelined verify step launches about a "
+                               "hundred kernels from Python", verify.reason)
+            else:
+                logger.info("verify-step CUDA graphs %s", verify.describe())
         if status.captured or self.device.type != "cuda":
             logger.info("draft-head CUDA graphs %s", status.describe())
         else:
@@ -308,7 +318,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             reason = (f"{self.model_config.num_speculative_tokens} draft tokens per verify step, each verified "
                       "position a decode row (in the decode graphs where they fit)")
             if self._spec_pipelined:
-                reason += "; verify steps pipelined (acceptance and the next proposal on the device)"
+                reason += ("; verify steps pipelined (acceptance and the next proposal on the device), greedy "
+                           f"batches as one CUDA graph each: {self.runner.verify_graph_status.describe()}")
             else:
                 reason += f"; verify steps synchronous ({self.spec_pipeline_status})"
             rows.append({"component": "speculative_decoding", "op": "verify_step", "impl": self.proposer.name,
@@ -335,6 +346,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             out["draft_head_graphs_captured"] = float(self.runner.drafter.graph_status.captured)
         if self.proposer is not None:
             out["spec_decode_pipelined"] = float(self._spec_pipelined)
+            out["spec_verify_graphs_captured"] = float(self.runner.verify_graph_status.captured)
         return out
 
     def counters(self) -> dict[str, float]:
@@ -346,6 +358,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         if self.spec_stats is not None:
             out.update(self.spec_stats.counters())
             out["spec_decode_pipelined_steps_total"] = float(self.num_pipelined_verify_steps)
+            out["spec_decode_verify_graph_steps_total"] = float(self.runner.num_verify_graph_steps)
         if self.runner.drafter is not None:
             out.update(self.runner.drafter.counters())
         return out

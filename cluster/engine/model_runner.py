@@ -14,10 +14,11 @@ import torch
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
 from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
-from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, capture_with_status, stage
+from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, GraphUnsafeError, capture_with_status, stage
 from cluster.engine.draft_runner import DraftHeadRunner, DraftJob
 from cluster.engine.sampler import Sampler, SamplingRow, to_device
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
+from cluster.engine.verify_step import VerifyGraphs, VerifyOutputs, verify_on_device
 from cluster.models.context import ForwardContext
 
 @dataclass
@@ -36,17 +37,9 @@ class VerifyLaunch:
     """A verify step launched with its acceptance and the draft head's next proposal on the
     device (pipelined speculative decoding, ``ModelRunner.launch_verify``): nothing read yet."""
 
-    #: ``[n, k + 1]`` the target's token at each verified position; ``[n]`` drafts accepted.
-    targets: torch.Tensor
-    accepted: torch.Tensor
-    #: The next verify step's input tokens ``[n, k + 1]`` (the target's token after the
-    #: accepted drafts, then the head's ``k`` drafts) and first positions ``[n]``.
-    next_inputs: torch.Tensor
-    next_base: torch.Tensor
-    #: ``[n, H]`` the target's hidden state at ``next_base - 1``.
-    last_hidden: torch.Tensor
-    #: ``targets`` then ``accepted`` (int64), copied to the host asynchronously, and the event
-    #: after the copy (None on a CPU, where everything has run).
+    outputs: VerifyOutputs
+    #: The rows' tokens then the drafts accepted (int64), copied to the host asynchronously, and
+    #: the event after the copy (None on a CPU, where everything has run).
     host: torch.Tensor
     done: torch.cuda.Event | None
 
@@ -77,9 +70,14 @@ class ModelRunner:
         #: The draft head's runner (speculative_method=draft_head), set by the engine.
         self.drafter: DraftHeadRunner | None = None
         self.graph_status = GraphStatus(reason="not captured")
-        #: Forward passes replayed from a decode graph / run eagerly (metrics, benchmarks).
+        #: Greedy pipelined verify steps as one graph each (``capture_verify_graphs``).
+        self.verify_graphs: VerifyGraphs | None = None
+        self.verify_graph_status = GraphStatus(reason="not captured")
+        #: Forward passes replayed from a decode graph / run eagerly / pipelined verify steps
+        #: replayed from a verify-step graph (metrics, benchmarks).
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        self.num_verify_graph_steps = 0
         ops = getattr(model, "ops", None)
         self.sampler = Sampler(model.vocab_size, seed, device, *((ops.sampling,) if ops is not None else ()))
 
@@ -185,38 +183,53 @@ class ModelRunner:
                 and drafter.graphs.k == num_tokens and 0 < num_requests <= drafter.graphs.max_batch
                 and num_requests * (1 + num_tokens) <= self.graphs.max_batch)
 
+    def capture_verify_graphs(self, emulate: bool = False) -> GraphStatus:
+        """Capture greedy verify steps (``VerifyGraphs``) once the decode and draft graphs are; a
+        capture or self-check that fails leaves them launched eagerly, and the returned status
+        (also ``verify_graph_status``) says why."""
+        drafter = self.drafter
+        if self.graphs is None or drafter is None or drafter.graphs is None:
+            self.verify_graph_status = GraphStatus(reason="needs the decode and draft-head CUDA graphs")
+            return self.verify_graph_status
+        try:
+            graphs = VerifyGraphs(self.graphs, drafter.graphs, self.model, int(self.model.vocab_size), emulate=emulate)
+        except GraphUnsafeError as exc:
+            self.verify_graph_status = GraphStatus(reason=str(exc))
+            return self.verify_graph_status
+        self.verify_graph_status = capture_with_status(graphs, self.device, "verify-step",
+                                                       "pipelined verify steps launch their kernels eagerly")
+        if self.verify_graph_status.captured:
+            self.verify_graphs = graphs
+        return self.verify_graph_status
+
     @torch.inference_mode()
     def launch_verify(self, tables: np.ndarray, rows: list[SamplingRow], inputs: torch.Tensor,
                       base: torch.Tensor) -> VerifyLaunch:
-        """A verify step of ``n`` requests (``can_launch_verify``), without waiting for the GPU:
-        ``inputs [n, k + 1]`` (each request's last known token, then its drafts) at positions
-        ``base [n]`` on, one decode row each in the decode graph; every row sampled on the device
-        (``rows``, request by request), the drafts accepted while they equal the target's tokens,
-        and the draft head's next ``k`` drafts from the draft graph. ``tables [n, W]``: the
-        requests' blocks (their one full-attention group), covering every position written."""
+        """A verify step of ``n`` requests (``can_launch_verify``; see ``verify_on_device``),
+        without waiting for the GPU: greedy batches replay one verify-step graph, others replay
+        the decode and draft graphs with their sampling and acceptance launched between.
+        ``tables [n, W]``: the requests' blocks (their one full-attention group), covering every
+        position written; ``rows``: the rows' sampling, request by request."""
         assert self.graphs is not None and self.drafter is not None and self.drafter.graphs is not None
-        n, r = inputs.shape
-        dev = self.device
-        table = stage(np.ascontiguousarray(tables, dtype=np.int32), dev)
-        positions = (base[:, None] + torch.arange(r, device=dev)).reshape(-1)
-        hidden = self.graphs.run_on_device(inputs.reshape(-1), positions, [table],
-                                           torch.arange(n * r, device=dev) // r)  # [n * r, H]
-        self.num_graph_steps += 1
-        targets = self.sampler.sample_tokens(self.model.compute_logits(hidden), rows).view(n, r)
-        accepted = (inputs[:, 1:] == targets[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [n]
-        token = targets.gather(1, accepted[:, None])[:, 0]
-        drafts = self.drafter.graphs.run_after_verify(table, base, inputs, accepted, token, hidden)
+        n = inputs.shape[0]
+        table = stage(np.ascontiguousarray(tables, dtype=np.int32), self.device)
+        if self.verify_graphs is not None and self.verify_graphs.can_run(n) and all(r.params.greedy for r in rows):
+            out = self.verify_graphs.run(table, inputs, base)
+            out.last_hidden = out.last_hidden.clone()  # the graph's buffer: its next replay overwrites it
+            self.num_verify_graph_steps += 1
+        else:
+            out = verify_on_device(self.graphs, self.drafter.graphs, self.model, table, inputs, base,
+                                   lambda logits: self.sampler.sample_tokens(logits, rows))
+            self.num_graph_steps += 1
         self.drafter.count_device_proposal(n)
-        last_hidden = hidden.index_select(0, torch.arange(n, device=dev) * r + accepted)
-        packed = torch.cat((targets.reshape(-1), accepted))
+        packed = torch.cat((out.targets.reshape(-1), out.accepted))
         host, done = packed, None
         if packed.is_cuda:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        return VerifyLaunch(targets, accepted, torch.cat((token[:, None], drafts), dim=1), base + accepted + 1,
-                            last_hidden, host, done)
+        return VerifyLaunch(out, host, done)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:

@@ -4,9 +4,10 @@ draft head, its proposal and the verify steps in CUDA graphs).
 Where a verify step's next one starts depends on how many drafts it accepted. A host that reads
 that before it launches the next step leaves the GPU idle while it schedules, builds inputs and
 processes tokens, which for a small model costs as much as the step. So the device decides: one
-launch (``ModelRunner.launch_verify``) runs the verify step, samples every verified position,
-counts the accepted drafts and runs the head's next proposal from the verify rows' hidden states,
-leaving the next step's input tokens and first positions on the device. ``step()`` launches step
+launch (``ModelRunner.launch_verify``, cluster/engine/verify_step.py; greedy batches as one CUDA
+graph) runs the verify step, samples every verified position, counts the accepted drafts and runs
+the head's next proposal from the verify rows' hidden states, leaving the next step's input tokens
+and first positions on the device. ``step()`` launches step
 N+1 from them, then reads step N's tokens (one asynchronous copy) and takes them through the
 usual per-token path (stop checks, detokenization, ``max_tokens``).
 
@@ -120,7 +121,7 @@ class SpecPipelining:
             return False
         # the host does not know the step's positions: record where the step in flight starts
         self.last_step = [(r.request_id, r.num_computed_tokens, k + 1) for r in step.requests]
-        self._launch_verify(step.requests, step.launch.next_inputs, step.launch.next_base)
+        self._launch_verify(step.requests, step.launch.outputs.next_inputs, step.launch.outputs.next_base)
         return True
 
     def _launch_verify(self, requests: list[Request], inputs: torch.Tensor, base: torch.Tensor) -> None:
@@ -173,4 +174,4 @@ class SpecPipelining:
                 computed = request.num_computed_tokens + accepted + 1
                 keep = computed + (2 * k + 1 if id(request) in ahead else 0)
                 self.scheduler.advance_verified(request, computed, keep)
-                self.runner.drafter.resume(request.request_id, computed, launch.last_hidden[i:i + 1])
+                self.runner.drafter.resume(request.request_id, computed, launch.outputs.last_hidden[i:i + 1])

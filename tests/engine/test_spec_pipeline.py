@@ -1,5 +1,6 @@
 """Pipelined speculative decoding (cluster/engine/spec_pipeline.py) on the CPU: verify steps and
-the head's proposals replayed from emulated CUDA graphs (static buffers, padding rows, the Triton
+the head's proposals replayed from emulated CUDA graphs (greedy batches from the verify-step
+graph, cluster/engine/verify_step.py) (static buffers, padding rows, the Triton
 kernels interpreted, host reads refused inside a replay), each step launched from the previous
 one's results on the device before that one's tokens are read. Greedy output equals decoding
 without speculation token for token, through stop strings and tokens, ``max_tokens`` inside an
@@ -28,7 +29,8 @@ def graph_llm(tiny, pipelined: bool = True, **kwargs) -> LLM:  # noqa: F811 - th
     engine = llm.engine
     assert not engine._spec_pipelined and "CUDA graphs" in engine.spec_pipeline_status
     assert engine.runner.capture_cuda_graphs(4 * (1 + K), settings["max_model_len"], emulate=True).captured
-    engine._capture_draft_graphs(emulate=True)
+    engine._capture_draft_graphs(emulate=True)  # the verify-step graphs too
+    assert engine.runner.verify_graph_status.captured, engine.runner.verify_graph_status.describe()
     engine._init_spec_pipelining()
     assert engine._spec_pipelined and engine.spec_pipeline_status == ""
     engine._spec_pipelined = pipelined
@@ -55,15 +57,17 @@ def test_greedy_output_equals_no_speculation(tiny):  # noqa: F811
     assert summary(llm.generate(prompts, params)) == want
     engine = llm.engine
     assert engine.num_pipelined_verify_steps >= 10 and sync.engine.num_pipelined_verify_steps == 0
+    assert engine.runner.num_verify_graph_steps == engine.num_pipelined_verify_steps  # greedy: one graph a step
     # the device's proposals are the host's: the same drafts accepted, position by position
     assert engine.spec_stats.accepted_per_pos == sync.engine.spec_stats.accepted_per_pos
     assert engine.spec_stats.num_accepted_tokens > 10
     drafter = engine.runner.drafter
     assert drafter.num_eager_proposals == 0 and drafter.num_graph_proposals > engine.num_pipelined_verify_steps
     assert engine.counters()["spec_decode_pipelined_steps_total"] == engine.num_pipelined_verify_steps
-    assert engine.metrics()["spec_decode_pipelined"] == 1.0
+    assert engine.metrics()["spec_decode_pipelined"] == 1.0 and engine.metrics()["spec_verify_graphs_captured"] == 1.0
+    assert engine.counters()["spec_decode_verify_graph_steps_total"] == engine.runner.num_verify_graph_steps
     row = [r for r in engine.backends() if r["component"] == "speculative_decoding"][0]
-    assert "verify steps pipelined" in row["reason"]
+    assert "verify steps pipelined" in row["reason"] and "one CUDA graph each: captured" in row["reason"]
     assert engine.kv.usage == 0.0 and not drafter.states
     engine.step()  # generate returns once every request finished; the step in flight is read next
     assert engine._verify_in_flight is None and not engine.has_work()
@@ -122,6 +126,8 @@ def test_arrivals_aborts_and_sampling_free_every_block(tiny):  # noqa: F811
     while engine.has_work():
         step()
     assert engine.num_pipelined_verify_steps > 10
+    # batches with a sampled request launch their verify steps eagerly (greedy ones replay a graph)
+    assert engine.runner.num_verify_graph_steps < engine.num_pipelined_verify_steps
     done = [rid for rid in greedy if rid in finished]
     assert len(done) >= 4
     want = plain(tiny).generate([greedy[rid][0] for rid in done],
@@ -164,6 +170,8 @@ def test_pipelined_verify_steps_on_the_gpu_equal_graph_decode(tmp_path):
     assert engine._spec_pipelined, engine.spec_pipeline_status
     assert summary(llm.generate(prompts, params)) == want
     assert engine.num_pipelined_verify_steps >= 10 and engine.spec_stats.num_accepted_tokens > 0
+    assert engine.runner.verify_graph_status.captured, engine.runner.verify_graph_status.describe()
+    assert engine.runner.num_verify_graph_steps == engine.num_pipelined_verify_steps
     assert engine.runner.drafter.num_eager_proposals == 0 and engine.runner.num_eager_steps <= 4
     engine.step()
     assert engine._verify_in_flight is None and engine.kv.usage == 0.0
