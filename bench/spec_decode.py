@@ -222,6 +222,9 @@ def main() -> None:
                        "pipelined_verify": {m: e._spec_pipelined or e.spec_pipeline_status
                                             for m, e in engines.items() if m != "none"},
                        "pipelined_verify_steps": {m: e.num_pipelined_verify_steps for m, e in engines.items()},
+                       "verify_graph_steps": {m: e.runner.num_verify_graph_steps for m, e in engines.items()},
+                       "verify_graphs": {m: e.runner.verify_graph_status.describe() for m, e in engines.items()
+                                         if m == "draft_head"},
                        "sync_steps": {m: e.num_sync_steps for m, e in engines.items()},
                        "graph_steps": {m: e.runner.num_graph_steps for m, e in engines.items()},
                        "eager_steps": {m: e.runner.num_eager_steps for m, e in engines.items()},
