@@ -196,6 +196,12 @@ OP_SPECS: tuple[OpSpec, ...] = (
            fields=(("main", "v4_indexer"),)),
     OpSpec("linear", ("kernels.linear", "linear_ref"), ("kernels.triton_linear", "linear_triton"),
            fields=(("main", "linear"),), base_component="linear"),
+    OpSpec("spec_verify_rows", ("kernels.spec_decode", "verify_rows_ref"),
+           ("kernels.triton_spec_decode", "verify_rows_triton"),
+           fields=(("main", "spec_verify_rows"),), base_component="spec_verify_rows"),
+    OpSpec("spec_accept_draft_rows", ("kernels.spec_decode", "accept_and_draft_rows_ref"),
+           ("kernels.triton_spec_decode", "accept_and_draft_rows_triton"),
+           fields=(("main", "spec_accept_draft_rows"),), base_component="spec_accept_draft_rows"),
 )
 
 OPS = tuple(spec.name for spec in OP_SPECS)

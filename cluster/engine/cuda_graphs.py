@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.engine.batch import HostBatch, take_pending_tokens
 from cluster.models.context import ForwardContext
+from cluster.models.ops import REFERENCE_OPS, Ops
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class DecodeGraphs:
                  device: torch.device, max_batch: int, max_model_len: int, emulate: bool = False) -> None:
         self.emulate = emulate
         self.model = model
+        self.ops: Ops = getattr(model, "ops", REFERENCE_OPS)
         self.specs = specs
         self.kv_caches = kv_caches
         self.device = device
@@ -325,39 +327,22 @@ class DecodeGraphs:
         return self.outputs[size][:n]
 
     @torch.inference_mode()
-    def run_on_device(self, input_ids: torch.Tensor, positions: torch.Tensor, tables: list[torch.Tensor],
-                      owner: torch.Tensor, live: torch.Tensor | None = None, replay: bool = True) -> torch.Tensor:
-        """Run ``n`` decode rows whose tokens and positions are on the device (a pipelined verify
-        step: the host does not know how far the step in flight advanced): row ``i`` is one query
-        at ``positions[i]`` over the block table ``tables[g][owner[i]]`` of each group ``g``
-        (``[B, W]`` on the device), its slot looked up there; where ``live[owner[i]]`` is false
-        (a padding request) it reads the null block and writes nowhere. Replays the graph, or
+    def run_on_device(self, inputs: torch.Tensor, base: torch.Tensor, table: torch.Tensor,
+                      live: torch.Tensor | None = None, replay: bool = True) -> torch.Tensor:
+        """A verify step whose tokens and positions are on the device (pipelined: the host does
+        not know how far the step in flight advanced): request ``i``'s ``inputs[i, j]`` is one
+        decode row at ``base[i] + j`` over ``table[i]`` (``[n, W]`` on the device; one KV group,
+        the draft head's case), its slot looked up there; a request whose ``live`` is false
+        (padding) reads the null block and writes nowhere. Replays the graph, or
         (``replay=False``, inside another graph's capture) runs its forward on the buffers.
-        Returns hidden states ``[n, H]``."""
-        n = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= n)
-        alive = None if live is None else live.index_select(0, owner)  # [n]
-        if alive is not None:
-            positions = torch.where(alive, positions, 0)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.seq_lens[:n].copy_(positions + 1)
-        self.input_ids[n:size].zero_()
-        self.positions[n:size].zero_()
-        self.seq_lens[n:size].fill_(1)
-        for spec, table, dest, slots in zip(self.specs, tables, self.block_tables, self.slot_mappings):
-            rows = table.index_select(0, owner)  # [n, W]
-            if alive is not None:
-                rows = torch.where(alive[:, None], rows, 0)
-            dest[:size].zero_()
-            dest[:n, :rows.shape[1]].copy_(rows)
-            if slots is not None:
-                bs = spec.block_size
-                index = (positions // bs).clamp(max=rows.shape[1] - 1)
-                slot = rows.gather(1, index[:, None])[:, 0].long() * bs + positions % bs
-                slots[:n].copy_(slot if alive is None else torch.where(alive, slot, -1))
-                slots[n:size].fill_(-1)
+        Returns hidden states ``[n * (k + 1), H]``, request by request."""
+        assert len(self.specs) == 1 and self.slot_mappings[0] is not None, "verify rows need one per-token KV group"
+        rows = inputs.numel()
+        size = next(s for s in self.sizes if s >= rows)
+        self.ops.spec_verify_rows(inputs, base, live, table, self.specs[0].block_size, self.input_ids[:size],
+                                  self.positions[:size], self.seq_lens[:size], self.slot_mappings[0][:size],
+                                  self.block_tables[0][:size])
         if not replay:
-            return self.forward(size)[:n]
+            return self.forward(size)[:rows]
         self.graphs[size].replay()
-        return self.outputs[size][:n]
+        return self.outputs[size][:rows]

@@ -34,6 +34,7 @@ import torch
 
 from cluster.engine.cuda_graphs import EmulatedGraph, GraphUnsafeError, capture_sizes, graph_batch_sizes, stage
 from cluster.models.context import ForwardContext
+from cluster.models.ops import REFERENCE_OPS, Ops
 
 if TYPE_CHECKING:
     from cluster.engine.draft_runner import DraftHeadRunner, DraftJob, DraftState
@@ -46,6 +47,7 @@ class DraftHeadGraphs:
                  max_model_len: int, emulate: bool = False) -> None:
         self.drafter = drafter
         self.emulate = emulate
+        self.ops: Ops = getattr(drafter.target, "ops", REFERENCE_OPS)
         self.k = num_tokens
         self.rows = num_tokens + 1
         self.max_model_len = max_model_len
@@ -66,7 +68,6 @@ class DraftHeadGraphs:
             self.chain_slots = torch.full((max(1, self.k - 1), b), -1, dtype=torch.int64)
             self.tables = torch.zeros((b, table_width), dtype=torch.int32)
             self.query_start_loc = torch.arange(b * r + 1, dtype=torch.int32)
-            self.offsets = torch.arange(r, dtype=torch.int64)
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.timings: dict[str, float] = {}
@@ -227,55 +228,33 @@ class DraftHeadGraphs:
 
     @torch.inference_mode()
     def run_after_verify(self, tables: torch.Tensor, base: torch.Tensor, inputs: torch.Tensor,
-                         accepted: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor,
-                         live: torch.Tensor | None = None, replay: bool = True) -> torch.Tensor:
-        """The next proposal for ``n`` requests, from a verify step's results on the device, with
-        no host value (pipelined speculative decoding): ``tables [n, W]`` their block tables,
-        ``base [n]`` the verify step's first position, ``inputs [n, k + 1]`` its input tokens
-        (the last known token, then the drafts), ``accepted [n]`` how many drafts it accepted,
-        ``token [n]`` the target's token after them and ``hidden [n * (k + 1), H]`` its rows'
-        hidden states. Every request drafts ``k`` tokens (the caller leaves room for them); one
-        whose ``live`` is false (padding) writes nowhere. Replays the graph, or (``replay=False``,
-        inside another graph's capture) runs its forward on the buffers.
+                         targets: torch.Tensor, hidden: torch.Tensor, live: torch.Tensor | None = None,
+                         replay: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Accept a verify step's drafts and draft the next ones, for ``n`` requests, from values
+        on the device alone (pipelined speculative decoding): ``tables [n, W]`` their block
+        tables, ``base [n]`` the verify step's first position, ``inputs [n, k + 1]`` its input
+        tokens (the last known token, then the drafts), ``targets [n, k + 1]`` the target's token
+        at each of those positions and ``hidden [n * (k + 1), H]`` its rows' hidden states.
+        Returns ``(drafts [n, k], accepted [n], token [n])``: the drafts are accepted while they
+        equal the target's tokens, ``token`` is the target's after them. Every request drafts
+        ``k`` tokens (the caller leaves room for them); one whose ``live`` is false (padding)
+        writes nowhere. Replays the graph, or (``replay=False``, inside another graph's capture)
+        runs its forward on the buffers.
 
         The first pass covers the positions ``base + 1 .. base + accepted + 1`` (the accepted
-        drafts, then ``token``), each reading the verify row before it, exactly the pending
-        positions of ``run``; rows past a request's ``accepted + 1`` write nowhere."""
+        drafts, then ``token``), each reading the verify row before it (``last_rows`` names the
+        newest), exactly the pending positions of ``run``; rows past them write nowhere. The rows
+        come from one kernel (``Ops.spec_accept_draft_rows``)."""
         n = base.shape[0]
         size = next(s for s in self.sizes if s >= n)
-        r, k, bs = self.rows, self.k, self.drafter.block_size
-        width = tables.shape[1]
-        j = self.offsets[None, :]  # [1, r]
-        live_rows = j <= accepted[:, None]  # [n, r]
-        if live is not None:
-            live_rows = live_rows & live[:, None]
-        ids = torch.where(j == accepted[:, None], token[:, None], torch.cat((inputs[:, 1:], token[:, None]), dim=1))
-        positions = torch.where(live_rows, base[:, None] + 1 + j, 0)
-        blocks = tables.gather(1, (positions // bs).clamp(max=width - 1)).long()
-        slots = torch.where(live_rows, blocks * bs + positions % bs, -1)
-        m = n * r
-        for buffer, values, pad in ((self.first_ids, ids, 0), (self.first_positions, positions, 0),
-                                    (self.first_seq_lens, positions + 1, 1), (self.first_slots, slots, -1)):
-            buffer[:m].copy_(values.reshape(-1))
-            buffer[m:size * r].fill_(pad)
-        self.first_hidden[:m].copy_(hidden)
-        self.last_rows[:n].copy_(torch.arange(n, device=base.device) * r + accepted)
-        self.last_rows[n:size].copy_(torch.arange(n, size, device=base.device) * r)
-        if k > 1:
-            chain = (base + accepted + 1)[None, :] + self.offsets[1:k, None]  # [k - 1, n]
-            if live is not None:
-                chain = torch.where(live[None, :], chain, 0)
-            blocks = tables.gather(1, (chain // bs).clamp(max=width - 1).T).T.long()
-            chain_slots = blocks * bs + chain % bs
-            if live is not None:
-                chain_slots = torch.where(live[None, :], chain_slots, -1)
-            for buffer, values, pad in ((self.chain_positions, chain, 0), (self.chain_seq_lens, chain + 1, 1),
-                                        (self.chain_slots, chain_slots, -1)):
-                buffer[:, :n].copy_(values)
-                buffer[:, n:size].fill_(pad)
-        self.tables[:size].zero_()
-        self.tables[:n, :width].copy_(tables)
+        r = self.rows
+        accepted, token = self.ops.spec_accept_draft_rows(
+            inputs, targets, base, live, tables, self.drafter.block_size, self.first_ids[:size * r],
+            self.first_positions[:size * r], self.first_seq_lens[:size * r], self.first_slots[:size * r],
+            self.last_rows[:size], self.chain_positions[:, :size], self.chain_seq_lens[:, :size],
+            self.chain_slots[:, :size], self.tables[:size])
+        self.first_hidden[:n * r].copy_(hidden)
         if not replay:
-            return self.forward(size)[:n]
+            return self.forward(size)[:n], accepted, token
         self.graphs[size].replay()
-        return self.outputs[size][:n]
+        return self.outputs[size][:n], accepted, token

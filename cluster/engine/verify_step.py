@@ -52,15 +52,10 @@ def verify_on_device(decode: DecodeGraphs, drafts: DraftHeadGraphs, model: Any, 
     blocks, covering every position written); ``sample`` turns the rows' logits into tokens; the
     drafts are accepted while they equal the target's tokens, then the head drafts ``k`` more."""
     n, r = inputs.shape
-    dev = inputs.device
-    positions = (base[:, None] + torch.arange(r, device=dev)).reshape(-1)
-    hidden = decode.run_on_device(inputs.reshape(-1), positions, [table], torch.arange(n * r, device=dev) // r,
-                                  live=live, replay=replay)  # [n * r, H]
+    hidden = decode.run_on_device(inputs, base, table, live=live, replay=replay)  # [n * r, H]
     targets = sample(model.compute_logits(hidden)).view(n, r)
-    accepted = (inputs[:, 1:] == targets[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [n]
-    token = targets.gather(1, accepted[:, None])[:, 0]
-    proposal = drafts.run_after_verify(table, base, inputs, accepted, token, hidden, live=live, replay=replay)
-    last_hidden = hidden.index_select(0, torch.arange(n, device=dev) * r + accepted)
+    proposal, accepted, token = drafts.run_after_verify(table, base, inputs, targets, hidden, live=live, replay=replay)
+    last_hidden = hidden.index_select(0, drafts.last_rows[:n])  # each request's row at its newest position
     return VerifyOutputs(targets, accepted, torch.cat((token[:, None], proposal), dim=1), base + accepted + 1,
                          last_hidden)
 

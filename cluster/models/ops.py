@@ -20,6 +20,7 @@ from kernels.norm import rms_norm_ref
 from kernels.qkv_prepare import qkv_prepare_ref
 from kernels.rotary import apply_rotary_ref
 from kernels.sampling import apply_top_k_top_p_min_p_ref
+from kernels.spec_decode import accept_and_draft_rows_ref, verify_rows_ref
 
 @dataclass(frozen=True)
 class Ops:
@@ -41,6 +42,10 @@ class Ops:
     v4_indexer: Callable[..., torch.Tensor] = indexer_topk_ref
     #: Dense projections (``gated=True``: a SwiGLU MLP's fused gate/up projection and its activation).
     linear: Callable[..., torch.Tensor] = linear_ref
+    #: Speculative decoding's device bookkeeping (a verify step's rows; its acceptance and the
+    #: draft head's next rows): the engine's, resolved with the model's.
+    spec_verify_rows: Callable[..., None] = verify_rows_ref
+    spec_accept_draft_rows: Callable[..., Any] = accept_and_draft_rows_ref
     #: The resolution, one dict per component (logged at start-up, served at /v1/backends).
     table: tuple[dict[str, Any], ...] = field(default=(), compare=False)
 

@@ -71,6 +71,18 @@ def _cases() -> Iterator[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
            (logits, logits, _t(64, dtype=i32), _t(64, dtype=f32), _t(64, dtype=f32), 151936,
             151936, 151936), dict(HAS_TOP_K=True, HAS_TOP_P=True, HAS_MIN_P=True, BLOCK=4096,
                                   num_warps=8))
+    from kernels import triton_spec_decode
+    i64 = torch.int64
+    inputs, base, live, rows = _t(64, 4, dtype=i64), _t(64, dtype=i64), _t(64, dtype=torch.bool), _t(256, dtype=i64)
+    spec_table, dest = _t(64, 300, dtype=i32), _t(256, 512, dtype=i32)
+    yield ("spec_verify_rows", triton_spec_decode._verify_rows_kernel,
+           (inputs, base, live, spec_table, rows, rows, _t(256, dtype=i32), rows, dest, 64, 4, 300, 512, 300, 512, 16),
+           dict(HAS_LIVE=True, BLOCK_W=triton_spec_decode.BLOCK_W, num_warps=1))
+    chain = _t(2, 64, dtype=i64)
+    yield ("spec_accept_draft_rows", triton_spec_decode._accept_draft_kernel,
+           (inputs, inputs, base, live, spec_table, base, base, rows, rows, _t(256, dtype=i32), rows, base, chain,
+            _t(2, 64, dtype=i32), chain, _t(64, 512, dtype=i32), 64, 4, 300, 512, 300, 64, 512, 16),
+           dict(HAS_LIVE=True, BLOCK_R=4, BLOCK_W=triton_spec_decode.BLOCK_W, num_warps=1))
     ids = _t(4096, dtype=i32)
     x = _t(64, 4096)
     yield ("moe_align", triton_moe_align._align_kernel,
