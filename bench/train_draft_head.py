@@ -75,6 +75,42 @@ FILE_TASKS = [
 ]
 
 
+#: Structured-data chats: a random table (markdown or CSV) or JSON list, then one of these.
+DATA_TASKS = [
+    "Convert this table to a JSON list of objects:\n\n{d}", "Write this data as a markdown table:\n\n{d}",
+    "Which row has the largest {c}? Answer with the whole row.\n\n{d}", "Sort these rows by {c}:\n\n{d}",
+    "Write each row of this data as one sentence:\n\n{d}", "Convert this to CSV with a header line:\n\n{d}",
+    "Add a column with a short note for each row and show the whole table:\n\n{d}",
+    "Summarise this data in a few sentences:\n\n{d}", "Write Python code that builds this data as a list of "
+    "dicts:\n\n{d}", "Turn this data into YAML:\n\n{d}",
+]
+FIRST = "Alice Bruno Chen Dana Emil Farah Goran Hana Ivan Julia Kenji Lena Mateo Nora Omar Priya Quinn Rosa Sami Tara".split()
+LAST = "Martin Costa Wei Levi Berg Khan Novak Sato Rossi Silva Kim Nguyen Haddad Jensen Park Okafor Moreau Dubois".split()
+CITIES = "Lyon Porto Suzhou Haifa Malmo Lahore Osaka Lima Accra Quebec Tartu Cork Pune Bergen Perth Graz Kyoto Nice".split()
+ITEMS = "apple kettle lamp bicycle notebook chair battery router jacket monitor helmet drill tent camera".split()
+COLUMNS = {"name": lambda g: f"{g.choice(FIRST)} {g.choice(LAST)}", "city": lambda g: g.choice(CITIES),
+           "age": lambda g: str(g.randint(18, 80)), "price": lambda g: f"{g.randint(1, 900)}.{g.randint(0, 99):02d}",
+           "item": lambda g: g.choice(ITEMS), "score": lambda g: str(g.randint(0, 100)),
+           "quantity": lambda g: str(g.randint(1, 50)),
+           "date": lambda g: f"2026-{g.randint(1, 12):02d}-{g.randint(1, 28):02d}"}
+
+
+def random_data(rng: random.Random) -> tuple[str, str]:
+    """A random small table as markdown, CSV or a JSON list, and one of its numeric columns."""
+    cols = ["id"] + rng.sample(sorted(COLUMNS), rng.randint(2, 4))
+    rows = [[str(i + 1)] + [COLUMNS[c](rng) for c in cols[1:]] for i in range(rng.randint(3, 8))]
+    numeric = [c for c in cols if c in ("age", "price", "score", "quantity")] or ["id"]
+    style = rng.random()
+    if style < 0.45:
+        text = "\n".join(["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+                         + ["| " + " | ".join(r) + " |" for r in rows])
+    elif style < 0.75:
+        text = "\n".join([",".join(cols)] + [",".join(r) for r in rows])
+    else:
+        text = "[\n" + ",\n".join("  {" + ", ".join(f'"{c}": "{v}"' for c, v in zip(cols, r)) + "}" for r in rows) + "\n]"
+    return text, rng.choice(numeric)
+
+
 def corpus_files() -> list[str]:
     files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
     files += sorted(glob.glob(os.path.join(ROOT, "cluster", "**", "*.py"), recursive=True))
@@ -82,14 +118,23 @@ def corpus_files() -> list[str]:
     return [f for f in files if os.path.getsize(f) > 200]
 
 
-def build_prompts(tokenizer: Any, n: int, rng: random.Random, max_prompt: int) -> list[tuple[str, list[int]]]:
-    """``n`` (kind, prompt token ids): chats from templates, chats over file passages, raw completions."""
+def build_prompts(tokenizer: Any, n: int, rng: random.Random, max_prompt: int,
+                  data_share: float = 0.0) -> list[tuple[str, list[int]]]:
+    """``n`` (kind, prompt token ids): chats over random tables and JSON (``data_share`` of them),
+    chats from templates, chats over file passages, raw completions."""
     topics = [t.strip() for t in TOPICS.split(";") if t.strip()]
     texts = [open(f, encoding="utf-8", errors="replace").read() for f in corpus_files()]
     words = sorted({w for t in texts for w in t.split() if w.isalpha() and 3 <= len(w) <= 10})
     out: list[tuple[str, list[int]]] = []
     while len(out) < n:
         r = rng.random()
+        if r < data_share:
+            data, column = random_data(rng)
+            ids = tokenizer.encode_chat([{"role": "user", "content": rng.choice(DATA_TASKS).format(d=data, c=column)}])
+            if len(ids) <= max_prompt:  # a cut table would be a malformed one: draw another
+                out.append(("chat_data", ids))
+            continue
+        r = data_share + (r - data_share) / (1 - data_share)  # the rest as before
         if r < 0.5:
             msg = rng.choice(TASKS).format(t=rng.choice(topics), u=rng.choice(topics))
             out.append(("chat", tokenizer.encode_chat([{"role": "user", "content": msg}])))
@@ -109,21 +154,23 @@ def build_prompts(tokenizer: Any, n: int, rng: random.Random, max_prompt: int) -
 
 
 def generate(llm: LLM, prompts: list[tuple[str, list[int]]], rng: random.Random, max_new: int,
-             max_len: int, seconds: float, round_size: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+             max_len: int, seconds: float, round_size: int, greedy_fraction: float = 0.4,
+             seeded: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     seqs: list[dict[str, Any]] = []
     t0, done, tokens = time.monotonic(), 0, 0
     while done < len(prompts) and time.monotonic() - t0 < seconds:
         batch = prompts[done:done + round_size]
         params = []
         for _ in batch:
-            temp = rng.choice([0.0, 0.0, 0.7, 0.7, 1.0])
-            params.append(SamplingParams(temperature=temp, top_p=0.95 if temp else 1.0, seed=rng.randrange(1 << 30),
+            temp = 0.0 if rng.random() < greedy_fraction else rng.choice([0.7, 0.7, 1.0])
+            seed = rng.randrange(1 << 30)  # drawn either way: the prompts' order stays the same
+            params.append(SamplingParams(temperature=temp, top_p=0.95 if temp else 1.0, seed=seed if seeded else None,
                                          max_tokens=rng.randint(max_new // 3, max_new)))
         outs = llm.generate([ids for _, ids in batch], params)
         for (kind, ids), sp, o in zip(batch, params, outs):
             full = (ids + o.outputs[0].token_ids)[:max_len]
             tokens += len(o.outputs[0].token_ids)
-            seqs.append({"kind": kind, "greedy": sp.temperature == 0.0, "ids": full})
+            seqs.append({"kind": kind, "greedy": sp.temperature == 0.0, "ids": full, "prompt": len(ids)})
         done += len(batch)
     elapsed = time.monotonic() - t0
     return seqs, {"sequences": len(seqs), "generated_tokens": tokens, "seconds": round(elapsed, 1),
@@ -218,6 +265,10 @@ def main() -> None:
     ap.add_argument("--round-size", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--greedy-fraction", type=float, default=0.4, help="prompts answered greedily (the rest sampled)")
+    ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=True,
+                    help="seeded sampling (reproducible data; slower: a generator per row and step)")
+    ap.add_argument("--data-share", type=float, default=0.0, help="chats over random tables and JSON")
     ap.add_argument("--kv-cache-gib", type=int, default=6, help="the generating engine's KV (the rest is training's)")
     ap.add_argument("--data", default=None, help="generated sequences: read if there, else written")
     ap.add_argument("--tiny", action="store_true", help="CPU, seconds: checks the script end to end")
@@ -236,11 +287,14 @@ def main() -> None:
     target = llm.engine.model
     tokenizer = llm.get_tokenizer()
     assert tokenizer is not None
-    prompts = build_prompts(tokenizer, args.prompts, rng, max_prompt=args.max_len // 2)
+    prompts = build_prompts(tokenizer, args.prompts, rng, max_prompt=args.max_len // 2, data_share=args.data_share)
     if args.data and os.path.exists(args.data):
         seqs, gen = torch.load(args.data)
     else:
-        seqs, gen = generate(llm, prompts, rng, args.max_new, args.max_len, args.gen_seconds, args.round_size)
+        seqs, gen = generate(llm, prompts, rng, args.max_new, args.max_len, args.gen_seconds, args.round_size,
+                             args.greedy_fraction, args.seeded)
+        gen.update(greedy_fraction=args.greedy_fraction, seeded=args.seeded, data_share=args.data_share,
+                   prompts_built=len(prompts))
         if args.data:
             torch.save((seqs, gen), args.data)
     print("generated", gen, flush=True)
@@ -284,14 +338,20 @@ def main() -> None:
         p.requires_grad_(False)
     evals: dict[str, Any] = {}
     with torch.no_grad():
-        agree_all: list[list[torch.Tensor]] = [[] for _ in range(args.k)]
-        masks, stats = [], []
+        stats, outputs = [], []
         for s in held:
             ids = torch.tensor([s["ids"]], device=dev)
             _, agree, mask = chain_losses(head, target, lm_head, ids, torch.tensor([ids.shape[1]], device=dev),
                                           args.k, train=False)
             stats.append(tokens_per_step(agree, mask))
+            answer = mask.clone()
+            answer[:, :max(0, s.get("prompt", 0) - 1)] = False  # positions that predict the answer's tokens
+            if answer[:, args.k - 1:].any():
+                outputs.append(tokens_per_step(agree, answer))
         evals = {"held_out_greedy_sequences": len(held),
+                 # what serving sees: drafts of the answer only (the prompt's positions are prefilled)
+                 "answer_tokens_per_step_k%d_mean" % args.k: round(sum(x["tokens_per_step"] for x in outputs)
+                                                                  / max(1, len(outputs)), 3),
                  "tokens_per_step_k%d_median" % args.k: round(median([x["tokens_per_step"] for x in stats]), 3),
                  "tokens_per_step_k%d_mean" % args.k: round(sum(x["tokens_per_step"] for x in stats) / len(stats), 3),
                  "top1_agreement_per_pass_mean": [round(sum(x["top1_agreement_per_pass"][j] for x in stats) / len(stats), 4)
