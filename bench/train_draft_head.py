@@ -22,6 +22,9 @@ The weights (bf16 safetensors, with the target shape and the run's figures as me
     python bench/train_draft_head.py --model <SmolLM2 .gguf> --weights <dir>/smollm2-135m-instruct.safetensors \
         --out bench/results/draft-head-train-h200-<date>.json
     python bench/train_draft_head.py --tiny      # CPU, seconds: checks the script end to end
+
+A run takes about --gen-seconds (plus the round that passes it), start-up and loading (about 30 s
+on an H200), --train-seconds and the evaluation (about 10 s): give its command that much room.
 """
 from __future__ import annotations
 
@@ -262,7 +265,8 @@ def main() -> None:
     ap.add_argument("--train-seconds", type=float, default=260)
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--round-size", type=int, default=1024)
+    ap.add_argument("--round-size", type=int, default=512,
+                    help="prompts per generate call: generation stops after the round that passes --gen-seconds")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--greedy-fraction", type=float, default=0.4, help="prompts answered greedily (the rest sampled)")
