@@ -167,6 +167,18 @@ def stage(host: np.ndarray, device: torch.device) -> torch.Tensor:
     return staged.to(device, non_blocking=True)
 
 
+def fetch(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying ``values`` to the host without waiting for the GPU: a pinned host tensor
+    and the event after the copy (``values`` itself and None on a CPU, where it has run)."""
+    if not values.is_cuda:
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, specs: list[KVGroupSpec], kv_caches: list[torch.Tensor],
                  device: torch.device, max_batch: int, max_model_len: int, emulate: bool = False) -> None:

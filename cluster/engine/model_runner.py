@@ -14,7 +14,7 @@ import torch
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
 from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
-from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, GraphUnsafeError, capture_with_status, stage
+from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, GraphUnsafeError, capture_with_status, fetch, stage
 from cluster.engine.draft_runner import DraftHeadRunner, DraftJob
 from cluster.engine.sampler import Sampler, SamplingRow, to_device
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -222,14 +222,7 @@ class ModelRunner:
                                    lambda logits: self.sampler.sample_tokens(logits, rows))
             self.num_graph_steps += 1
         self.drafter.count_device_proposal(n)
-        packed = torch.cat((out.targets.reshape(-1), out.accepted))
-        host, done = packed, None
-        if packed.is_cuda:
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        return VerifyLaunch(out, host, done)
+        return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))))
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:

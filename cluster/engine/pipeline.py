@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.engine.cuda_graphs import fetch
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.output_processor import RequestGroup
@@ -74,12 +75,7 @@ class Pipelining:
         try:
             tokens = self.runner.launch(sched, previous.rows if previous else {},
                                         previous.tokens if previous else None)
-            host, done = tokens, None
-            if tokens.is_cuda:
-                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                host.copy_(tokens, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
+            host, done = fetch(tokens)
         except Exception as exc:  # noqa: BLE001 - as in step(): fail the batch, keep the loop
             logger.exception("model step failed")
             self._complete_in_flight()

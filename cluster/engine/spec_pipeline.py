@@ -68,6 +68,7 @@ class SpecPipelining:
     _verify_in_flight: InFlightVerify | None
     #: Whether verify steps may run pipelined (see engine.py), and the steps that did.
     _spec_pipelined: bool
+    spec_pipeline_status: str
     num_pipelined_steps: int
     num_pipelined_verify_steps: int
 
@@ -106,9 +107,10 @@ class SpecPipelining:
             return False
         inputs = np.array([[r.all_token_ids[-1], *r.spec_token_ids] for r in requests], dtype=np.int64)
         base = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
-        self._begin(sched)
         dev = self.runner.device
-        self._launch_verify(requests, stage(inputs, dev), stage(base, dev))
+        if not self._launch_verify(requests, stage(inputs, dev), stage(base, dev)):
+            return False
+        self._begin(sched)
         return True
 
     def _launch_verify_from_device(self) -> bool:
@@ -119,12 +121,17 @@ class SpecPipelining:
         k = self.model_config.num_speculative_tokens
         if step is None or not self._verify_ready(step.requests, 3 * k + 2):
             return False
+        if not self._launch_verify(step.requests, step.launch.outputs.next_inputs, step.launch.outputs.next_base):
+            return False
         # the host does not know the step's positions: record where the step in flight starts
         self.last_step = [(r.request_id, r.num_computed_tokens, k + 1) for r in step.requests]
-        self._launch_verify(step.requests, step.launch.outputs.next_inputs, step.launch.outputs.next_base)
         return True
 
-    def _launch_verify(self, requests: list[Request], inputs: torch.Tensor, base: torch.Tensor) -> None:
+    def _launch_verify(self, requests: list[Request], inputs: torch.Tensor, base: torch.Tensor) -> bool:
+        """Launch a verify step, then read the one in flight. False where the launch failed: the
+        step in flight is read, and verify steps run synchronously from then on (where a failure
+        in the draft head costs a step its acceptance, never a request), said in the log,
+        ``/v1/backends`` and the gauge ``spec_decode_pipelined``."""
         previous = self._verify_in_flight
         k = self.model_config.num_speculative_tokens
         tables = self.kv.block_tables
@@ -135,18 +142,20 @@ class SpecPipelining:
         sampling = [row for r in requests for row in [self._sampling_row(r)] * (k + 1)]
         try:
             launch = self.runner.launch_verify(table, sampling, inputs, base)
-        except Exception as exc:  # noqa: BLE001 - as in step(): fail the batch, keep the loop
-            logger.exception("model step failed")
+        except Exception as exc:  # noqa: BLE001 - the synchronous steps take over, and fail what must fail
+            logger.exception("a pipelined verify step failed: verify steps run synchronously from now on")
+            self._spec_pipelined = False
+            self.spec_pipeline_status = f"a pipelined verify step failed: {type(exc).__name__}: {exc}"
             self._verify_in_flight = None
             if previous is not None:
                 self._complete_verify(previous)
-            self._fail([r for r in requests if r.status is RequestStatus.RUNNING], exc)
-            return
+            return False
         self.num_pipelined_steps += 1
         self.num_pipelined_verify_steps += 1
         self._verify_in_flight = InFlightVerify(requests, launch)
         if previous is not None:
             self._complete_verify(previous)
+        return True
 
     def _complete_verify(self, step: InFlightVerify) -> None:
         """Read a pipelined verify step's tokens (waiting for it) and take them as a synchronous

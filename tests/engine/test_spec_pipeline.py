@@ -136,6 +136,33 @@ def test_arrivals_aborts_and_sampling_free_every_block(tiny):  # noqa: F811
     assert engine._verify_in_flight is None and engine.kv.usage == 0.0 and not engine.runner.drafter.states
 
 
+def test_a_failing_pipelined_step_hands_over_to_synchronous_steps(tiny, monkeypatch):  # noqa: F811
+    """A pipelined verify step that raises (a bug, memory): the step in flight is read, verify
+    steps run synchronously from then on, said in /v1/backends and the gauge, and every output
+    still equals decoding without speculation."""
+    prompts = train_prompts()[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = summary(plain(tiny).generate(prompts, params))
+    llm = graph_llm(tiny)
+    engine = llm.engine
+    real = engine.runner.launch_verify
+    calls = {"n": 0}
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected verify failure")
+        return real(*args)
+    monkeypatch.setattr(engine.runner, "launch_verify", flaky)
+    assert summary(llm.generate(prompts, params)) == want
+    assert engine.num_pipelined_verify_steps == 3 and calls["n"] == 4 and engine.num_sync_steps > 3
+    assert not engine._spec_pipelined and "injected verify failure" in engine.spec_pipeline_status
+    row = [r for r in engine.backends() if r["component"] == "speculative_decoding"][0]
+    assert "verify steps synchronous (a pipelined verify step failed" in row["reason"]
+    assert engine.metrics()["spec_decode_pipelined"] == 0.0
+    assert engine._verify_in_flight is None and engine.kv.usage == 0.0
+
+
 def test_ngram_verify_steps_stay_synchronous(tiny):  # noqa: F811
     """The n-gram proposer reads the newest tokens on the host: its verify steps never pipeline,
     and /v1/backends says why."""
