@@ -7,7 +7,12 @@
   carried pair; ``merge_pools_ref`` combines two pairs. An empty pool is ``(EMPTY_LSE, 0)``.
 - ``indexer_topk_ref``: the lightning indexer's scores ``sum_h w[t, h] * relu(q[t, h] . k[e]) * scale``
   over a sequence's compressed keys and the top-k entries each query may see (entry ``e`` covers
-  tokens ``[e * R, (e + 1) * R)`` and is visible to positions ``>= (e + 1) * R - 1``).
+  tokens ``[e * R, (e + 1) * R)`` and is visible to positions ``>= (e + 1) * R - 1``: the token
+  that completes a window already sees its entry, in prefill as in decode, as DeepSeek's reference
+  inference code has it). Equal scores rank by entry index, lowest first: the ReLU makes exact
+  ties common (every head's dot product negative gives 0), and a top-k that breaks them by the
+  shape of its input picks other entries in a one-pass prefill than in decode (transformers'
+  full and cached forwards part that way on small configs).
 - ``sparse_attention_ref``: single-KV-head attention (the entry is both K and V) of each query over
   its sliding window of token entries plus compressed entries (every visible one, or the indexer's
   picks), with a per-head attention sink in the softmax's denominator.
@@ -69,7 +74,8 @@ def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.
                      query_start_loc: torch.Tensor | None = None,
                      seq_lens: torch.Tensor | None = None) -> torch.Tensor:
     """``q [T, Hi, Di]``, ``weights [T, Hi]`` -> ``[T, topk]`` int64 entry indices, ``-1`` where a query
-    sees fewer than ``topk`` entries (order within a row is unspecified)."""
+    sees fewer than ``topk`` entries (order within a row is unspecified; ties go to the lowest
+    entry index)."""
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
     for i in range(len(seq_lens_cpu)):
         start, end = query_start_loc_cpu[i], query_start_loc_cpu[i + 1]
@@ -84,7 +90,8 @@ def indexer_topk_ref(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.
         visible = (positions + 1) // compress_ratio  # entries each query may see
         future = torch.arange(num_entries, device=q.device)[None, :] >= visible[:, None]
         k = min(topk, num_entries)
-        picked = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
+        # a stable descending sort ranks equal scores by entry index (torch.topk leaves ties open)
+        picked = scores.masked_fill(future, float("-inf")).sort(dim=-1, descending=True, stable=True).indices[:, :k]
         out[start:end, :k] = torch.where(picked >= visible[:, None], -1, picked)
     return out
 

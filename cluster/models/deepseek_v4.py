@@ -13,7 +13,12 @@ kept in their checkpoint format on CUDA and dequantized on CPU (``deepseek_v4_ex
 The computation follows transformers' ``models/deepseek_v4`` (the tests' reference) where it and
 DeepSeek's inference code differ: that code rounds the stored KV's non-RoPE features through FP8
 and the indexer's queries and keys through FP4 (after a Hadamard rotation, which alone leaves the
-scores unchanged); transformers, and this model, keep them in the model dtype."""
+scores unchanged); transformers, and this model, keep them in the model dtype. Compressed entries
+follow the reference's rule in prefill, chunked prefill and decode alike: a query at position t
+sees entry e (and the indexer may pick it) iff t >= (e + 1) * R - 1. The indexer ranks equal
+scores by entry index, lowest first (its ReLU makes exact ties common; a top-k that breaks them by
+the shape of its input picks differently in prefill and in decode, which is how transformers'
+full and cached forwards part on small configs): tests/models/test_deepseek_v4_semantics.py."""
 from __future__ import annotations
 
 from collections.abc import Iterator
