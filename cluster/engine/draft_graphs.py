@@ -34,7 +34,7 @@ import torch
 
 from cluster.engine.cuda_graphs import EmulatedGraph, GraphUnsafeError, capture_sizes, graph_batch_sizes, stage
 from cluster.models.context import ForwardContext
-from cluster.models.ops import REFERENCE_OPS, Ops
+from cluster.models.ops import Ops
 
 if TYPE_CHECKING:
     from cluster.engine.draft_runner import DraftHeadRunner, DraftJob, DraftState
@@ -47,7 +47,7 @@ class DraftHeadGraphs:
                  max_model_len: int, emulate: bool = False) -> None:
         self.drafter = drafter
         self.emulate = emulate
-        self.ops: Ops = getattr(drafter.target, "ops", REFERENCE_OPS)
+        self.ops: Ops = drafter.head.ops
         self.k = num_tokens
         self.rows = num_tokens + 1
         self.max_model_len = max_model_len
@@ -59,7 +59,7 @@ class DraftHeadGraphs:
             self.first_positions = torch.zeros(b * r, dtype=torch.int64)
             self.first_seq_lens = torch.ones(b * r, dtype=torch.int32)
             self.first_slots = torch.full((b * r,), -1, dtype=torch.int64)
-            self.first_hidden = torch.zeros((b * r, drafter.hidden_size), dtype=drafter.head.fc.weight.dtype)
+            self.first_hidden = torch.zeros((b * r, drafter.hidden_size), dtype=drafter.head.dtype)
             #: Row ``j`` of the first pass belongs to request ``j // (k + 1)``: a constant.
             self.row_request = torch.arange(b, dtype=torch.int64).repeat_interleave(r)
             self.last_rows = torch.arange(b, dtype=torch.int64) * r
@@ -93,15 +93,15 @@ class DraftHeadGraphs:
         ctx = self._context(self.first_positions[:n], self.first_seq_lens[:n],
                             tables.index_select(0, self.row_request[:n]), self.first_slots[:n])
         hidden = self.first_hidden[:n]
-        g = d.head(d.target.embed_tokens(self.first_ids[:n]).to(hidden.dtype), hidden, ctx)
+        g = d.head.draft(self.first_ids[:n], hidden, ctx)
         g = g.index_select(0, self.last_rows[:size])
-        token = d.target.compute_logits(g).argmax(dim=-1)
+        token = d.head.draft_logits(g).argmax(dim=-1)
         drafts = [token]
         for j in range(self.k - 1):
             ctx = self._context(self.chain_positions[j, :size], self.chain_seq_lens[j, :size], tables,
                                 self.chain_slots[j, :size])
-            g = d.head(d.target.embed_tokens(token).to(hidden.dtype), g, ctx)
-            token = d.target.compute_logits(g).argmax(dim=-1)
+            g = d.head.draft(token, g, ctx)
+            token = d.head.draft_logits(g).argmax(dim=-1)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
@@ -147,7 +147,7 @@ class DraftHeadGraphs:
         size = self.sizes[-1]
         dev = self.drafter.device
         gen = torch.Generator(device=dev).manual_seed(0)
-        vocab = int(getattr(self.drafter.target, "vocab_size", 2))
+        vocab = self.drafter.head.vocab_size
         n = size * self.rows
         self._clear()
         self.first_ids[:n].copy_(torch.randint(0, vocab, (n,), generator=gen, device=dev))

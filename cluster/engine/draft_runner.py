@@ -39,6 +39,7 @@ import torch
 from cluster.engine.cuda_graphs import GraphStatus, capture_with_status
 from cluster.engine.draft_graphs import DraftHeadGraphs
 from cluster.models.context import ForwardContext
+from cluster.models.draft_head import Drafter
 
 
 @dataclass
@@ -60,14 +61,13 @@ class DraftJob:
 
 
 class DraftHeadRunner:
-    def __init__(self, head: Any, target: Any, kv_caches: list[torch.Tensor], block_size: int,
+    def __init__(self, head: Drafter, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device) -> None:
         self.head = head
-        self.target = target
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.hidden_size = int(head.args.hidden_size)
+        self.hidden_size = head.width
         self.states: dict[str, DraftState] = {}
         #: Totals (metrics, tests): head passes, positions they computed, states handed over by a
         #: prefill engine, states started without the hidden state before them.
@@ -104,7 +104,7 @@ class DraftHeadRunner:
     def seed(self, request_id: str, position: int, hidden: torch.Tensor) -> None:
         """A prefill engine computed the draft KV below ``position`` and the target's ``hidden``
         state at ``position - 1``."""
-        self.states[request_id] = DraftState(position, hidden.reshape(1, -1).to(self.device, self.head.fc.weight.dtype))
+        self.states[request_id] = DraftState(position, hidden.reshape(1, -1).to(self.device, self.head.dtype))
         self.num_seeded += 1
 
     def fork(self, parent: str, child: str, position: int) -> None:
@@ -118,7 +118,7 @@ class DraftHeadRunner:
         """A pipelined verify step left the request's newest token at ``position``, with the
         target's ``hidden [1, H]`` state at ``position - 1``: the head's KV is written below it
         (the device drafted on from there; a proposal made here would redo that position)."""
-        self.states[request_id] = DraftState(position, hidden.to(self.head.fc.weight.dtype))
+        self.states[request_id] = DraftState(position, hidden.to(self.head.dtype))
 
     def count_device_proposal(self, num_requests: int) -> None:
         """A proposal drafted on the device from a verify step (``DraftHeadGraphs.run_after_verify``)."""
@@ -149,7 +149,7 @@ class DraftHeadRunner:
             return st
         if position > 0:
             self.num_cold_starts += 1
-        st = DraftState(position, torch.zeros((1, self.hidden_size), dtype=self.head.fc.weight.dtype,
+        st = DraftState(position, torch.zeros((1, self.hidden_size), dtype=self.head.dtype,
                                               device=self.device))
         self.states[request_id] = st
         return st
@@ -223,7 +223,7 @@ class DraftHeadRunner:
         return torch.stack(drafts, dim=1).tolist()  # the one host sync of the proposal
 
     def _argmax(self, g: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(g).argmax(dim=-1)
+        return self.head.draft_logits(g).argmax(dim=-1)
 
     def _pass(self, seqs: list[tuple[int, int, list[int]]], input_ids: list[int] | torch.Tensor,
               hidden: torch.Tensor, last_rows: bool = False) -> torch.Tensor:
@@ -253,8 +253,7 @@ class DraftHeadRunner:
                              block_sizes=[bs])
         if not isinstance(input_ids, torch.Tensor):
             input_ids = torch.tensor(input_ids, dtype=torch.long)
-        embeds = self.target.embed_tokens(input_ids.to(dev)).to(hidden.dtype)
-        g = self.head(embeds, hidden, ctx)
+        g = self.head.draft(input_ids.to(dev), hidden, ctx)
         self.num_passes += 1
         self.num_positions += int(qsl[-1])
         if last_rows:

@@ -35,7 +35,7 @@ from cluster.engine.spec_decode import Proposer, SpecDecodeStats, make_proposer
 from cluster.engine.spec_pipeline import InFlightVerify, SpecPipelining
 from cluster.engine.step_loop import StepLoop
 from cluster.common.kv_spec import KVGroupSpec
-from cluster.models.draft_head import DEFAULT_DRAFT_HEADS, default_draft_head_path, load_draft_head
+from cluster.models.draft_head import DEFAULT_DRAFT_HEADS, HeadDrafter, default_draft_head_path, load_draft_head
 from cluster.models.ops import REFERENCE_OPS
 from cluster.models.registry import LoadedModel, load_model
 
@@ -249,8 +249,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
                 param="speculative_model")
         layers = self.kv_specs[0].num_layers - 1
         head = load_draft_head(path, self.model, layers, self.dtype, self.device, getattr(self.model, "ops", REFERENCE_OPS))
-        self.runner.drafter = DraftHeadRunner(head, self.model, self.runner.kv_caches, self.cache_config.block_size,
-                                              self.device)
+        self.runner.drafter = DraftHeadRunner(HeadDrafter(head, self.model), self.runner.kv_caches,
+                                              self.cache_config.block_size, self.device)
         # a block enters the prefix cache once the head's layer of it is written too
         self.scheduler.cache_limit = self.runner.drafter.written_upto
         logger.info("draft head %s loaded (%d parameters, KV as layer %d of group %s)", path,

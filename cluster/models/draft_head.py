@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -87,6 +87,42 @@ class LlamaDraftHead(nn.Module):
             self.fc.weight.zero_()
             self.fc.weight[:, h:].copy_(torch.eye(h, dtype=self.fc.weight.dtype))
             self.fc.weight[:, :h].normal_(0.0, 0.02)
+
+
+class Drafter(Protocol):
+    """A draft model over a target, as the engine's DraftHeadRunner drives it: at each row it
+    reads a token and the target's hidden state one position earlier (a row of ``width`` values of
+    ``dtype``), writes its KV (in the target's KV groups) and returns its own hidden state of the
+    same width, which stands in for the target's when it is chained; ``draft_logits`` turns that
+    into the next token's logits. ``module`` holds its parameters; ``ops`` its kernels."""
+
+    width: int
+    dtype: torch.dtype
+    vocab_size: int
+    ops: Ops
+    module: nn.Module
+
+    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+
+    def draft_logits(self, g: torch.Tensor) -> torch.Tensor: ...
+
+
+class HeadDrafter:
+    """A LlamaDraftHead over its target: the target's embedding and LM head, shared."""
+
+    def __init__(self, head: "LlamaDraftHead", target: LlamaForCausalLM) -> None:
+        self.module = head
+        self.target = target
+        self.width = int(head.args.hidden_size)
+        self.dtype = head.fc.weight.dtype
+        self.vocab_size = int(target.vocab_size)
+        self.ops: Ops = getattr(target, "ops", REFERENCE_OPS)
+
+    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.module(self.target.embed_tokens(input_ids).to(hidden.dtype), hidden, ctx)
+
+    def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(g)
 
 
 def dense_decoder_layer(layer: LlamaDecoderLayer, args: LlamaArgs, x: torch.Tensor, cos: torch.Tensor,

@@ -89,7 +89,7 @@ def test_paged_forward_over_chunks_equals_the_dense_forward(tiny):
     llm = LLM(tiny[0], block_size=4, speculative_method="draft_head", speculative_model=tiny[1])
     engine = llm.engine
     drafter: DraftHeadRunner = engine.runner.drafter
-    head, target = drafter.head, engine.model
+    head, target = drafter.head.module, engine.model
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 300, (23,), generator=gen)
     hidden = torch.randn(23, target.args.hidden_size, generator=gen)

@@ -110,15 +110,15 @@ def _tol(dtype: torch.dtype) -> float:
 
 
 def _attention(batch: V4Batch, mode: str, window: int, ratio: int, sinks: torch.Tensor, topk: int = 4,
-               num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               num_splits: int | None = None, min_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     comp = mode != "sliding"
     picks = random_picks(batch, ratio, topk) if mode == "topk" else None
     args = (batch.q, batch.window_cache, batch.window_tables, batch.comp_cache if comp else None,
             batch.comp_tables if comp else None, picks, sinks, batch.query_start_loc, batch.seq_lens, window,
             ratio, batch.q.shape[-1] ** -0.5)
-    ref = sparse_attention_ref(*args)
+    ref = sparse_attention_ref(*args, min_position=min_position)
     with poisoned_allocations():
-        out = sparse_attention_triton(*args, num_splits=num_splits)
+        out = sparse_attention_triton(*args, num_splits=num_splits, min_position=min_position)
     return out, ref
 
 
@@ -147,6 +147,20 @@ def test_sparse_attention_window_one_and_dominant_sinks() -> None:
     out, ref = _attention(batch, "topk", window=1, ratio=3, sinks=torch.tensor([4.0, -1.0], device=DEVICE),
                           topk=16)
     _check(out, ref, _tol(torch.float32))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sparse_attention_from_a_first_position(num_splits: int) -> None:
+    """``min_position=1`` (an MTP layer: its entry 0 has no target state before it): entry 0 is
+    never attended, and a query at position 0 sees nothing but its sink (output zero)."""
+    batch = make_v4_batch([(1, 1), (4, 4), (9, 1), (30, 1)], heads=4, window=6, ratio=2, seed=5)
+    sinks = torch.randn(4, device=DEVICE)
+    out, ref = _attention(batch, "sliding", window=6, ratio=2, sinks=sinks, num_splits=num_splits, min_position=1)
+    _check(out, ref, _tol(torch.float32))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(ref[0], torch.zeros_like(ref[0]))
+    shifted = sparse_attention_ref(batch.q, batch.window_cache, batch.window_tables, None, None, None, sinks,
+                                   batch.query_start_loc, batch.seq_lens, 6, 2, batch.q.shape[-1] ** -0.5)
+    assert not torch.allclose(shifted[1:5], ref[1:5])  # entry 0 was attended without it
 
 
 def test_sparse_attention_v4_width() -> None:
@@ -256,7 +270,7 @@ def _portability_cases() -> list[tuple[str, object, tuple[object, ...], dict[str
     for comp, topk, splits in ((False, False, 1), (True, True, 4), (True, False, 1)):
         cases.append((f"v4_attention_{'topk' if topk else 'all' if comp else 'window'}_s{splits}",
                       attention._sparse_attention_kernel,
-                      (q, cache, table, cache, table, picks, sinks, loc, loc, q, part, part, 128, 8, 64, 128, 4,
+                      (q, cache, table, cache, table, picks, sinks, loc, loc, q, part, part, 128, 8, 64, 128, 0, 4,
                        512, 0.1, 128, 32768, 512, 32768, 512, 300, 8192, 512, 300, 512, 32768, 512),
                       dict(HEAD_DIM=512, BLOCK_D=512, WIN_PAGE=64, COMP_PAGE=16, HAS_COMP=comp, HAS_TOPK=topk,
                            NUM_SPLITS=splits, UPCAST=False)))

@@ -33,4 +33,4 @@ def test_the_training_script_writes_a_head_the_engine_serves(tmp_path):
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))
     assert len(outs[0].outputs[0].token_ids) == 8
     assert llm.engine.spec_stats.num_drafts > 0
-    assert llm.engine.runner.drafter.head.metadata["target"] == "SmolLM2-135M-Instruct"
+    assert llm.engine.runner.drafter.head.module.metadata["target"] == "SmolLM2-135M-Instruct"
