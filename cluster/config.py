@@ -46,8 +46,8 @@ class ModelConfig:
     #: "none"; "ngram" (prompt lookup: the tokens that followed the latest earlier match of the
     #: context's last n tokens, n from prompt_lookup_max down to prompt_lookup_min);
     #: "draft_head" (a one-layer head over the model's last hidden state, Llama family: prefill
-    #: engines run it over the prompt and hand its state to decode). "mtp" and "dspark" are
-    #: refused until they are built.
+    #: engines run it over the prompt and hand its state to decode); "mtp" (DeepSeek-V4's MTP
+    #: layer, the same way). "dspark" is refused until it is built.
     speculative_method: SpeculativeMethod = "none"
     #: Draft tokens proposed per step (k): each verify step computes 1 + k positions.
     num_speculative_tokens: int = 4
@@ -62,9 +62,9 @@ class ModelConfig:
         _choice("load_format", self.load_format, ("auto", "dummy"))
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _choice("speculative_method", self.speculative_method, typing.get_args(SpeculativeMethod))
-        if self.speculative_method in ("mtp", "dspark"):
+        if self.speculative_method == "dspark":
             raise UnsupportedSettingError(
-                f"speculative_method={self.speculative_method!r} is not built yet; use 'ngram', 'draft_head' or 'none'",
+                "speculative_method='dspark' is not built yet; use 'ngram', 'draft_head', 'mtp' or 'none'",
                 param="speculative_method")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:

@@ -108,10 +108,11 @@ def q4_dequantize_ref(codes: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
 
 
 def linear_q4(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None, *,
-              gated: bool = False) -> torch.Tensor:
+              gated: bool = False, dense: bool | None = None) -> torch.Tensor:
     """``x [T, K]`` (any float dtype) -> ``[T, N]`` in ``x``'s dtype; ``gated``: the weight is
-    ``[gate; up]`` and the result ``silu(gate) * up``."""
-    if weight.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
+    ``[gate; up]`` and the result ``silu(gate) * up``. ``dense``: take the bfloat16 GEMM whatever
+    the rows (None: from ``DENSE_FROM_ROWS`` rows on)."""
+    if weight.dense is not None and (dense or x.shape[0] >= DENSE_FROM_ROWS):
         y = F.linear(x.to(torch.bfloat16), weight.dense).to(x.dtype)
     else:
         y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,

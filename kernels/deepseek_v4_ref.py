@@ -102,9 +102,10 @@ def sparse_attention_ref(q: torch.Tensor, window_cache: torch.Tensor, window_tab
                          query_start_loc_cpu: list[int], seq_lens_cpu: list[int], window: int,
                          compress_ratio: int, scale: float, *,
                          query_start_loc: torch.Tensor | None = None,
-                         seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+                         seq_lens: torch.Tensor | None = None, min_position: int = 0) -> torch.Tensor:
     """``q [T, H, D]`` -> ``[T, H, D]``. Each query at position ``p`` attends the token entries at
-    ``(p - window, p]`` and, with a compressed cache, the compressed entries ``topk_indices[t]``
+    ``(p - window, p]`` from ``min_position`` on (an MTP layer's entry 0 has no target state
+    before it) and, with a compressed cache, the compressed entries ``topk_indices[t]``
     (``-1`` skipped) or, when ``topk_indices`` is None, every entry ``e < (p + 1) // compress_ratio``."""
     out = torch.empty_like(q)
     for i in range(len(seq_lens_cpu)):
@@ -113,10 +114,10 @@ def sparse_attention_ref(q: torch.Tensor, window_cache: torch.Tensor, window_tab
             continue
         seq_len, q_len = seq_lens_cpu[i], end - start
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        first = max(0, seq_len - q_len - window + 1)
+        first = min(seq_len, max(min_position, seq_len - q_len - window + 1))
         keys = gather_entries(window_cache, window_tables[i], first, seq_len)  # [S, D]
         k_pos = torch.arange(first, seq_len, device=q.device)
-        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)  # k_pos >= first
         if compressed_cache is not None:
             assert compressed_tables is not None
             num_entries = seq_len // compress_ratio

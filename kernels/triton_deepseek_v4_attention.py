@@ -5,7 +5,7 @@ attention sinks. Same semantics as :func:`kernels.deepseek_v4_ref.sparse_attenti
 One program per (token, block of ``BLOCK_H`` heads, split): MQA puts the heads in the rows of
 ``tl.dot``, so every K = V tile ``[BLOCK_N, D]`` loaded from the paged caches serves both products
 (``q @ k.T`` and ``p @ v``) for all the program's heads. A query's entries form one virtual list:
-its window positions ``(p - window, p]`` first (paged token cache), then its compressed entries
+its window positions ``(p - window, p]`` (from ``min_position`` on) first (paged token cache), then its compressed entries
 (entry ``topk[t, j]``, ``-1`` skipped, or entry ``j``, from the paged compressed cache). Decode
 batches split that list across programs (split-KV) and a second kernel merges the partial results
 (base-2 log-sum-exp) and adds the sink; with one split the first kernel finishes alone. Prefill and
@@ -72,7 +72,7 @@ def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, qk_scale, UPCA
 def _sparse_attention_kernel(
     q_ptr, win_ptr, win_tables_ptr, comp_ptr, comp_tables_ptr, topk_ptr, sinks_ptr,
     query_start_loc_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    num_seqs, log_b, num_heads, window, ratio, num_picks, qk_scale, token_bucket,
+    num_seqs, log_b, num_heads, window, min_pos, ratio, num_picks, qk_scale, token_bucket,
     stride_qt, stride_qh, stride_wb, stride_wt, stride_wtab, stride_cb, stride_ce, stride_ctab,
     stride_kt, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WIN_PAGE: tl.constexpr, COMP_PAGE: tl.constexpr,
@@ -89,8 +89,8 @@ def _sparse_attention_kernel(
     pos = token_position(query_start_loc_ptr, seq_lens_ptr, t, seq)
     seq64, t64 = seq.to(tl.int64), t.to(tl.int64)
 
-    n_win = tl.minimum(window, pos + 1)
-    win_lo = pos + 1 - n_win  # first window position
+    n_win = tl.maximum(tl.minimum(window, pos + 1 - min_pos), 0)
+    win_lo = pos + 1 - n_win  # first window position (>= min_pos)
     n_comp = 0
     if HAS_COMP:
         if HAS_TOPK:
@@ -198,7 +198,7 @@ def sparse_attention_triton(q: torch.Tensor, window_cache: torch.Tensor, window_
                             query_start_loc_cpu: list[int], seq_lens_cpu: list[int], window: int,
                             compress_ratio: int, scale: float, *,
                             query_start_loc: torch.Tensor | None = None,
-                            seq_lens: torch.Tensor | None = None,
+                            seq_lens: torch.Tensor | None = None, min_position: int = 0,
                             num_splits: int | None = None) -> torch.Tensor:
     """``q [T, H, D]`` over paged ``window_cache [num_blocks, block_size, D]`` (and
     ``compressed_cache [num_blocks, entries_per_block, D]``) -> ``[T, H, D]`` in ``q``'s dtype.
@@ -234,7 +234,7 @@ def sparse_attention_triton(q: torch.Tensor, window_cache: torch.Tensor, window_
 
     _sparse_attention_kernel[grid](
         q, window_cache, window_tables, comp, comp_tables, topk, sinks, qsl, lens, out, part_out,
-        part_lse, num_seqs, log_steps(num_seqs), num_heads, window, max(compress_ratio, 1),
+        part_lse, num_seqs, log_steps(num_seqs), num_heads, window, min_position, max(compress_ratio, 1),
         topk.shape[1] if has_topk else 0, scale * LOG2E, token_bucket(num_tokens),
         q.stride(0), q.stride(1), window_cache.stride(0), window_cache.stride(1),
         window_tables.stride(0), comp.stride(0), comp.stride(1), comp_tables.stride(0),

@@ -23,6 +23,15 @@ class HostBatch:
     slot_mappings: list[np.ndarray | None]  # per group [T] int64 (per-token groups only)
     #: (row of the sequence's last token, the scheduled request) for rows to sample.
     sample_rows: list[tuple[int, ScheduledRequest]]
+    #: A verify step: per row, its ordinal among the verified positions (-1: it is not one), and
+    #: the row of the same request's previous one (-1: none); None in other steps (see
+    #: ForwardContext).
+    verify_slot: np.ndarray | None = None  # [T] int64
+    verify_prev: np.ndarray | None = None  # [T] int64
+    #: The most verified positions of one request in the step.
+    verify_depth: int = 1
+    #: Some chunk computes prompt rows (ScheduledRequest.prefill).
+    prefill: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -50,6 +59,7 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, 
         ids[begin:begin + len(known)] = known
         ids[begin + len(known):begin + n] = 0  # sampled by the step in flight: filled on the device
     owner = np.arange(len(scheduled))  # the scheduled request of each attention sequence
+    verify_slot = verify_prev = None
     if any(s.draft_token_ids for s in scheduled):  # a verify step: each verified position its own sequence
         split = np.array([bool(s.draft_token_ids) for s in scheduled])
         per_seq = np.where(split, counts, 1)
@@ -63,6 +73,12 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, 
     np.cumsum(q_counts, out=query_start[1:])
     seq_index = np.repeat(np.arange(len(owner)), q_counts)
     positions = seq_starts[seq_index] + (np.arange(total) - query_start[:-1][seq_index])
+    depth = 1
+    if len(owner) != len(scheduled):  # a request's verified positions are consecutive one-token rows
+        verified = split[owner[seq_index]]
+        verify_slot = np.where(verified, np.cumsum(verified) - 1, -1)
+        verify_prev = np.where(verified & (offset[seq_index] > 0), np.arange(total) - 1, -1)
+        depth = int(counts[split].max())
     tables, slots = [], []
     for g, spec in enumerate(specs):
         rows = [block_tables[scheduled[i].request_id][g] for i in owner.tolist()]
@@ -78,7 +94,7 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, 
             slots.append(None)
     sample_rows = [(int(ends[i]) - 1, s) for i, s in enumerate(scheduled) if s.sampling]
     return HostBatch(ids, positions, query_start, (seq_starts + q_counts).astype(np.int32), tables, slots,
-                     sample_rows)
+                     sample_rows, verify_slot, verify_prev, depth, any(s.prefill for s in scheduled))
 
 
 def take_pending_tokens(input_ids: torch.Tensor, rows: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:

@@ -181,7 +181,8 @@ def fetch(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, specs: list[KVGroupSpec], kv_caches: list[torch.Tensor],
-                 device: torch.device, max_batch: int, max_model_len: int, emulate: bool = False) -> None:
+                 device: torch.device, max_batch: int, max_model_len: int, emulate: bool = False,
+                 verify_states: list[torch.Tensor | None] | None = None, verify_depth: int = 1) -> None:
         self.emulate = emulate
         self.model = model
         self.ops: Ops = getattr(model, "ops", REFERENCE_OPS)
@@ -201,6 +202,11 @@ class DecodeGraphs:
                                  for spec in specs]
             self.slot_mappings = [torch.full((b,), -1, dtype=torch.int64)
                                   if spec.kind in ("full", "sliding_window") else None for spec in specs]
+            # verify steps of a model with state groups (see ForwardContext): -1 in plain decode rows
+            self.verify_slot = torch.full((b,), -1, dtype=torch.int64) if verify_states is not None else None
+            self.verify_prev = torch.full((b,), -1, dtype=torch.int64) if verify_states is not None else None
+        self.verify_states = verify_states
+        self.verify_depth = verify_depth
         self.graphs: dict[int, Any] = {}  # torch.cuda.CUDAGraph, or EmulatedGraph
         self.outputs: dict[int, torch.Tensor] = {}
         #: Start-up seconds by phase (``capture``).
@@ -208,7 +214,7 @@ class DecodeGraphs:
         self.verified_size = 0
 
     def _context(self, size: int) -> ForwardContext:
-        return ForwardContext(
+        ctx = ForwardContext(
             positions=self.positions[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], query_start_loc_cpu=list(range(size + 1)),
             # The decode kernel sizes its split count from the longest possible context, so one
@@ -217,6 +223,10 @@ class DecodeGraphs:
             block_tables=[t[:size] for t in self.block_tables],
             slot_mappings=[s[:size] if s is not None else None for s in self.slot_mappings],
             block_sizes=[spec.block_size for spec in self.specs])
+        if self.verify_slot is not None and self.verify_prev is not None:
+            ctx.verify_slot, ctx.verify_prev = self.verify_slot[:size], self.verify_prev[:size]
+            ctx.verify_depth, ctx.verify_states = self.verify_depth, self.verify_states
+        return ctx
 
     def forward(self, size: int) -> torch.Tensor:
         """The model on the first ``size`` rows of the buffers (what a graph of ``size`` holds)."""
@@ -309,6 +319,10 @@ class DecodeGraphs:
         # Every per-sequence vector in one pinned host buffer, one copy to the device.
         columns = [(self.input_ids, batch.input_ids, 0), (self.positions, batch.positions, 0),
                    (self.seq_lens, batch.seq_lens, 1)]
+        if self.verify_slot is not None and self.verify_prev is not None:
+            none = np.full(n, -1, dtype=np.int64)
+            columns += [(self.verify_slot, none if batch.verify_slot is None else batch.verify_slot, -1),
+                        (self.verify_prev, none if batch.verify_prev is None else batch.verify_prev, -1)]
         columns += [(target, slots, -1) for target, slots in zip(self.slot_mappings, batch.slot_mappings)
                     if target is not None and slots is not None]
         if token_source is not None:

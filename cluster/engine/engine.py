@@ -98,7 +98,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         self.loaded = loaded or load_model(model_config.model, self.device, self.dtype, {
             "attention_backend": model_config.attention_backend, "moe_backend": model_config.moe_backend,
             "draft_moe_backend": model_config.draft_moe_backend}, load_format=model_config.load_format,
-            seed=model_config.seed, keep_quantized=model_config.dtype is None)
+            seed=model_config.seed, keep_quantized=model_config.dtype is None,
+            mtp=model_config.speculative_method == "mtp")
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.startup_timings["load_s"] = time.perf_counter() - start
@@ -152,7 +153,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             rows = self.scheduler_config.max_num_seqs
             if self.proposer is not None:  # a verify step is a decode batch of 1 + k rows per request
                 rows = max(rows, min(rows * (1 + self.model_config.num_speculative_tokens), MAX_VERIFY_GRAPH_ROWS))
-            self.runner.capture_cuda_graphs(rows, self.scheduler_config.max_model_len)
+            self.runner.capture_cuda_graphs(rows, self.scheduler_config.max_model_len,
+                                            verify_depth=1 + self.model_config.num_speculative_tokens)
             self.startup_timings["cuda_graphs_s"] = time.perf_counter() - start
             if self.runner.graphs is not None:
                 self.startup_timings.update(self.runner.graphs.timings)
@@ -207,8 +209,11 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
 
     def _spec_pipeline_blocker(self) -> str:
         """Why verify steps cannot run pipelined ("" where they can)."""
-        if self.model_config.speculative_method != "draft_head":
+        if self.model_config.speculative_method not in ("draft_head", "mtp"):
             return f"speculative_method={self.model_config.speculative_method!r} proposes on the host"
+        if len(self.kv_specs) != 1:
+            return (f"the model's KV is {len(self.kv_specs)} groups ({', '.join(s.name for s in self.kv_specs)}): "
+                    "pipelined verify steps are built for one full-attention group")
         if not self.scheduler_config.async_scheduling:
             return "async_scheduling is off"
         drafter = self.runner.drafter
@@ -219,24 +224,38 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         return ""
 
     def _init_speculation(self) -> None:
-        """The draft proposer (None: no speculation; prefill-only engines never draft). Refused
-        where the model's KV cannot be rolled back past rejected drafts."""
+        """The draft proposer (None: no speculation; prefill-only engines never draft). A model
+        with ``state`` KV groups (updated in place: DeepSeek-V4's compressors) keeps its verified
+        positions' states in rows of their own until their acceptance (``enable_verify_states``)."""
         self.proposer: Proposer | None = None
         self.spec_stats: SpecDecodeStats | None = None
         method = self.model_config.speculative_method
         if method == "draft_head":  # prefill engines too: they fill the head's KV and hand it over
             self._init_draft_head()
+        elif method == "mtp":
+            self._init_mtp()
         if method == "none" or self.scheduler_config.prefill_only:
             return
-        fixed = sorted({s.kind for s in self.kv_specs} - {"full", "sliding_window"})
-        if fixed:
-            raise UnsupportedSettingError(
-                f"speculative_method={method!r} needs KV that rolls back past rejected drafts, but this "
-                f"model has {', '.join(fixed)} KV groups (a state updated in place)", param="speculative_method")
+        if any(spec.kind == "state" for spec in self.kv_specs):
+            sched = self.scheduler_config
+            self.runner.enable_verify_states(min(sched.max_num_batched_tokens,
+                                                 sched.max_num_seqs * (1 + self.model_config.num_speculative_tokens)))
         self.proposer = make_proposer(self.model_config)
         self.spec_stats = SpecDecodeStats(self.model_config.num_speculative_tokens)
         logger.info("speculative decoding: %s, %d draft tokens per step, each verified position a decode row",
                     method, self.model_config.num_speculative_tokens)
+
+    def _init_mtp(self) -> None:
+        """Draft with the model's MTP layer (its window KV: layers after the model's in its
+        ``swa`` group, added by the model built with ``mtp=True``)."""
+        from cluster.models.deepseek_v4_mtp import MTPDrafter
+        drafter = MTPDrafter(self.model)
+        self.runner.drafter = DraftHeadRunner(drafter, self.runner.kv_caches, self.cache_config.block_size,
+                                              self.device)
+        self.scheduler.cache_limit = self.runner.drafter.written_upto  # as for the draft head
+        logger.info("MTP layer drafts (%d parameters, window KV as layer %d of group %s)",
+                    sum(p.numel() for p in drafter.module.parameters()), self.kv_specs[0].num_layers - 1,
+                    self.kv_specs[0].name)
 
     def _init_draft_head(self) -> None:
         """Load the draft head (its KV: the last layer of the full-attention group, added by
@@ -328,7 +347,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             graphs = self.runner.drafter.graph_status
             where = (f"the proposal (its k passes and argmaxes) replays CUDA graphs, {graphs.describe()}"
                      if graphs.captured else f"the head's passes run eagerly (CUDA graphs {graphs.describe()})")
-            rows.append({"component": "draft_head", "op": "draft_pass", "impl": "graph" if graphs.captured else "eager",
+            rows.append({"component": self.model_config.speculative_method, "op": "draft_pass",
+                         "impl": "graph" if graphs.captured else "eager",
                          "device": device, "role": "draft", "format": str(self.dtype).removeprefix("torch."),
                          "reason": f"{where}, through the model's attention kernel; drafts are greedy"})
         return rows

@@ -30,6 +30,9 @@ class RunnerOutput:
     #: chunk's last ``k + 1`` positions, and their logprobs.
     verified: dict[str, list[int]] = field(default_factory=dict)
     verified_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    #: Verify steps: request id -> the ordinal of its first verified position among the step's
+    #: (the rows of ``ModelRunner.verify_states`` its positions' states went to).
+    verify_slots: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,10 +81,14 @@ class ModelRunner:
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.num_verify_graph_steps = 0
+        #: Verify steps of a model with ``state`` KV groups (updated in place): per group, rows for
+        #: the verified positions' states (``enable_verify_states``), None for other groups.
+        self.verify_states: list[torch.Tensor | None] | None = None
         ops = getattr(model, "ops", None)
         self.sampler = Sampler(model.vocab_size, seed, device, *((ops.sampling,) if ops is not None else ()))
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int, emulate: bool = False) -> GraphStatus:
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int, emulate: bool = False,
+                            verify_depth: int = 1) -> GraphStatus:
         """Capture decode graphs when the device and the model's kernels allow it; the returned
         status (also ``graph_status``) says which sizes, or why not. A capture or a self-check
         that fails leaves the runner eager. ``emulate``: graphs emulated on any device (tests: see
@@ -93,7 +100,7 @@ class ModelRunner:
             self.graph_status = GraphStatus(reason=blocker)
             return self.graph_status
         graphs = DecodeGraphs(self.model, self.specs, self.kv_caches, self.device, max_batch, max_model_len,
-                              emulate=emulate)
+                              emulate=emulate, verify_states=self.verify_states, verify_depth=verify_depth)
         self.graph_status = capture_with_status(graphs, self.device, "decode", "decode steps run eagerly")
         if self.graph_status.captured:
             self.graphs = graphs
@@ -120,6 +127,11 @@ class ModelRunner:
         if self.drafter is not None:  # the chunks' hidden states feed the draft head (and its KV)
             self.drafter.observe(sched.scheduled, sched.block_tables, hidden)
         out = RunnerOutput()
+        verified = 0
+        for s in sched.scheduled:
+            if s.draft_token_ids:
+                out.verify_slots[s.request_id] = verified
+                verified += s.num_new_tokens
         if not sample_rows:
             return out
         rows: list[tuple[int, str, SamplingRow, bool]] = []  # (hidden row, request id, sampling, verified)
@@ -174,6 +186,30 @@ class ModelRunner:
             hidden = self.model(input_ids, ctx)
         logits = self.model.compute_logits(hidden)  # decode-only: row i is sequence i
         return self.sampler.sample_tokens(logits, [s.sampling[0][1] for s in sched.scheduled])
+
+    def enable_verify_states(self, max_verified: int) -> None:
+        """Verify steps for a model with ``state`` KV groups: each verified position's state goes
+        to a row of its own (``max_verified``: the most verified positions a step has; one spare
+        row), and ``commit_verified`` keeps the accepted one's."""
+        self.verify_states = [torch.zeros((max_verified + 1, spec.num_layers, *spec.block_shape), dtype=cache.dtype,
+                                          device=self.device) if spec.kind == "state" else None
+                              for spec, cache in zip(self.specs, self.kv_caches)]
+
+    @torch.inference_mode()
+    def commit_verified(self, slots: list[int], tables: list[list[list[int]]], positions: list[int]) -> None:
+        """After a verify step: the state after an accepted position ``positions[i]`` (the step's
+        verified position ``slots[i]``) goes to the block of the request's ``state`` groups
+        (``tables[i]``, per group) that holds that position's checkpoint. Given the request's
+        newest accepted position and every accepted position that ends a block (as a prefill
+        chunk checkpoints), the state groups are exactly those of a request that never saw its
+        rejected drafts, prefix-cached blocks included."""
+        if self.verify_states is None or not slots:
+            return
+        src = to_device(slots, torch.long, self.device)
+        for g, (spec, scratch) in enumerate(zip(self.specs, self.verify_states)):
+            if scratch is not None:
+                dst = to_device([t[g][p // spec.block_size] for t, p in zip(tables, positions)], torch.long, self.device)
+                self.kv_caches[g].index_copy_(0, dst, scratch.index_select(0, src))
 
     def can_launch_verify(self, num_requests: int, num_tokens: int) -> bool:
         """Whether ``launch_verify`` can run ``num_requests`` requests verifying ``num_tokens``
@@ -250,7 +286,12 @@ class ModelRunner:
             seq_lens_cpu=batch.seq_lens.tolist(), kv_caches=self.kv_caches,
             block_tables=[to_dev(t) for t in batch.block_tables],
             slot_mappings=[None if s is None else to_dev(s) for s in batch.slot_mappings],
-            block_sizes=[s.block_size for s in self.specs])
+            block_sizes=[s.block_size for s in self.specs], prefill=batch.prefill)
+        if batch.verify_slot is not None and self.verify_states is not None:
+            assert batch.verify_prev is not None
+            ctx.verify_slot, ctx.verify_prev = to_dev(batch.verify_slot), to_dev(batch.verify_prev)
+            ctx.verify_slot_cpu, ctx.verify_prev_cpu = batch.verify_slot.tolist(), batch.verify_prev.tolist()
+            ctx.verify_depth, ctx.verify_states = batch.verify_depth, self.verify_states
         return ctx, to_dev(batch.input_ids)
 
 

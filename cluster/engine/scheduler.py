@@ -45,6 +45,9 @@ class ScheduledRequest:
     #: tokens; ``sampling`` then has ``k + 1`` rows for the request, one per position from the
     #: last known token on.
     draft_token_ids: Sequence[int] = ()
+    #: The chunk computes prompt rows (several tokens, or a prompt's last token): kernels whose
+    #: numerics depend on the rows' count take one path for them (see ForwardContext.prefill).
+    prefill: bool = False
 
     @property
     def samples(self) -> bool:

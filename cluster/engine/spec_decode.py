@@ -95,13 +95,15 @@ def ngram_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int
 
 
 class DraftHeadProposer:
-    """The draft head drafts on the device once the step's slots are allocated
-    (cluster.engine.draft_runner): before scheduling, a request that will draft gets ``k``
-    placeholder drafts (the scheduler sizes its step by them), replaced by the head's tokens
-    after scheduling, before the step's inputs are built."""
+    """A draft layer (the draft head, or DeepSeek-V4's MTP layer) drafts on the device once the
+    step's slots are allocated (cluster.engine.draft_runner): before scheduling, a request that
+    will draft gets ``k`` placeholder drafts (the scheduler sizes its step by them), replaced by
+    the layer's tokens after scheduling, before the step's inputs are built."""
 
-    name = "draft_head"
     device_side = True
+
+    def __init__(self, name: str = "draft_head") -> None:
+        self.name = name
 
     def propose(self, request: Request, k: int) -> list[int]:
         return [0] * k
@@ -115,8 +117,8 @@ def make_proposer(config: ModelConfig) -> Proposer | None:
         return None
     if config.speculative_method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.speculative_method == "draft_head":
-        return DraftHeadProposer()
+    if config.speculative_method in ("draft_head", "mtp"):
+        return DraftHeadProposer(config.speculative_method)
     raise AssertionError(f"speculative_method={config.speculative_method!r} passed validation")
 
 

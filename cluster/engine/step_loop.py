@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
+from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.model_runner import ModelRunner, RunnerOutput
 from cluster.engine.output_processor import OutputProcessor, RequestGroup
 from cluster.engine.pipeline import InFlightStep
@@ -44,6 +45,7 @@ class StepLoop:
     _first_tokens: dict[str, tuple[int, PositionLogprobs | None]]
     _in_flight: InFlightStep | None
     _verify_in_flight: InFlightVerify | None
+    kv: KVCacheManager
     _pipelined: bool
     last_step: list[tuple[str, int, int]]
     num_sync_steps: int
@@ -106,6 +108,7 @@ class StepLoop:
         for s in sched.scheduled:
             r = s.request
             c = s.num_computed_tokens
+            s.prefill = s.num_new_tokens > 1 and not r.spec_token_ids or r.num_output_tokens == 0
             drafts = r.spec_token_ids
             if drafts and c + s.num_new_tokens == r.num_tokens + len(drafts):
                 s.token_ids = r.all_token_ids[c:] + drafts
@@ -168,12 +171,19 @@ class StepLoop:
                 self._settle_held(group)
 
     def _process(self, scheduled: list[ScheduledRequest], result: RunnerOutput) -> None:
+        # (verified position, request, position): the states to keep, as a prefill chunk keeps them
+        commits: list[tuple[int, str, int]] = []
         for s in scheduled:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
                 continue
             if s.draft_token_ids:
-                self._take_verified(s, result)
+                taken = self._take_verified(s, result)
+                if request.status is RequestStatus.RUNNING:  # every block's last state, and the newest
+                    first, block = result.verify_slots[s.request_id], self.cache_config.block_size
+                    start, end = s.num_computed_tokens, s.num_computed_tokens + taken
+                    commits += [(first + q - start, s.request_id, q) for q in range(start, end)
+                                if q % block == block - 1 or q == end - 1]
                 continue
             self.scheduler.mark_computed(s)
             token = result.sampled.get(request.request_id)
@@ -182,11 +192,15 @@ class StepLoop:
                 request.draft_hidden = None if hidden is None else hidden.numpy().tobytes()
             if token is not None:
                 self._take_token(request, token, result.logprobs.get(request.request_id))
+        if commits and self.runner.verify_states is not None:
+            self.runner.commit_verified([c[0] for c in commits], [self.kv.block_tables(c[1]) for c in commits],
+                                        [c[2] for c in commits])
 
-    def _take_verified(self, s: ScheduledRequest, result: RunnerOutput) -> None:
+    def _take_verified(self, s: ScheduledRequest, result: RunnerOutput) -> int:
         """A verify step: the target's tokens ``t_0 .. t_k`` at the chunk's last ``k + 1``
         positions. Take ``t_0`` and then each ``t_j`` whose prefix the drafts got right
-        (``d_j == t_{j-1}``), stopping at the first token that ends the request."""
+        (``d_j == t_{j-1}``), stopping at the first token that ends the request. Returns how many
+        were taken (the KV of as many positions is kept)."""
         request = s.request
         drafts = list(s.draft_token_ids)
         targets = result.verified[request.request_id]
@@ -201,6 +215,7 @@ class StepLoop:
             if request.status is not RequestStatus.RUNNING:
                 break
         self.scheduler.mark_verified(s, taken - 1)
+        return taken
 
     def _propose(self) -> None:
         """Draft tokens for every running request that decodes next (all its tokens but the last

@@ -25,6 +25,26 @@ class ForwardContext:
     slot_mappings: list[torch.Tensor | None]
     #: Block size (entries per block) of each group.
     block_sizes: list[int]
+    #: The step computes prompt rows (a prefill chunk, a prompt's last token): CPU projections
+    #: kept quantized then take one kernel whatever the rows' count, so that a prompt's numbers
+    #: do not depend on its chunking or on how much of it a prefix hit supplied.
+    prefill: bool = False
+    #: A verify step (speculative decoding) for a model whose state is updated in place
+    #: (DeepSeek-V4's compressors): per row, the row of ``verify_states`` its state goes to if it
+    #: is a verified position (-1: it is not; the state groups are not written for verified
+    #: positions: the engine keeps the accepted one's), and the row of the same request's
+    #: previous verified position (-1: the request's first, whose state before it is in the state
+    #: groups); ``*_cpu`` the same on the host; ``verify_depth`` bounds how many verified positions
+    #: of one request follow each other.
+    verify_slot: torch.Tensor | None = None  # [T] int64
+    verify_prev: torch.Tensor | None = None  # [T] int64
+    verify_slot_cpu: list[int] | None = None
+    verify_prev_cpu: list[int] | None = None
+    verify_depth: int = 1
+    #: Per KV group, for ``state`` groups: ``[V + 1, num_layers, *block_shape]``, row v the state
+    #: after a step's v-th verified position (the last row takes other rows' writes); None for
+    #: other groups.
+    verify_states: list[torch.Tensor | None] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -5,8 +5,8 @@ name-for-name copy): ``embed``; ``layers[i]`` each with ``attn`` (sliding, CSA o
 ``deepseek_v4_attention``), ``ffn`` (MoE; see ``deepseek_v4_moe``), ``attn_norm``/``ffn_norm`` and the
 hyper-connection parameters ``hc_attn_*``/``hc_ffn_*``; ``hc_head_*``, ``norm`` and ``head``. The
 residual is ``hc_mult`` streams ``[T, hc_mult, hidden]`` from the embedding to the final hyper head.
-``mtp[k]`` holds the MTP (next-n) layers' weights for speculative decoding; they take no part in
-this model's forward. KV state: see ``deepseek_v4_kv``. Kernels: every op the model calls comes
+``mtp[k]`` holds the MTP (next-n) layers for speculative decoding (``speculative_method=mtp``); they
+take no part in this model's forward, which then returns the pre-head streams they read. KV state: see ``deepseek_v4_kv``. Kernels: every op the model calls comes
 from the ``Ops`` resolved at start-up (:func:`kernel_components` lists them); routed experts are
 kept in their checkpoint format on CUDA and dequantized on CPU (``deepseek_v4_experts``).
 
@@ -21,6 +21,7 @@ the shape of its input picks differently in prefill and in decode, which is how 
 full and cached forwards part on small configs): tests/models/test_deepseek_v4_semantics.py."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -76,15 +77,22 @@ class DeepseekV4Block(nn.Module):
 
 
 class DeepseekV4MTPLayer(DeepseekV4Block):
-    """An MTP (next-n) layer's weights: a decoder block (learned routing) plus the projections
-    that join the previous hidden streams with the next token's embedding, and its own hyper
-    head and norm. Kept for speculative decoding; not run by ``DeepseekV4ForCausalLM.forward``
-    (its KV groups come with that work)."""
+    """An MTP (next-n) layer: a decoder block on the sliding-window path (learned routing, its own
+    window KV: ``kv``, the layers after the model's in the ``swa`` group), the projections that
+    join the target's pre-head hyper-connection streams with a token's embedding, and its own
+    hyper head and norm; the target's embedding and LM head are shared.
 
-    def __init__(self, args: DeepseekV4Args, layer_type: str, dtype: torch.dtype, ops: Ops = REFERENCE_OPS,
-                 native_experts: bool | None = None) -> None:
-        unplaced = LayerKV((-1, -1), (-1, -1), (-1, -1), (-1, -1))
-        super().__init__(args, layer_type, False, unplaced, dtype, ops, draft=True, native_experts=native_experts)
+    A row at position ``q`` reads the token ``x_q`` and the target's streams at ``q - 1``
+    (``draft``), as DeepSeek's reference reads ``x_{p+1}`` with the streams at ``p``, one position
+    later: attention depends on position differences only, and so the layer's KV at ``q`` depends
+    on ``x_0 .. x_q``, as the target's does (same blocks, same prefix-cache keys). Its entry 0 has
+    no streams before it, so attention starts at position 1 (``min_position``), where the
+    reference's first row sits. Run only to draft (cluster/models/deepseek_v4_mtp.py)."""
+
+    def __init__(self, args: DeepseekV4Args, layer_type: str, kv: LayerKV, dtype: torch.dtype,
+                 ops: Ops = REFERENCE_OPS, native_experts: bool | None = None) -> None:
+        super().__init__(args, layer_type, False, kv, dtype, ops, draft=True, native_experts=native_experts)
+        self.attn.min_position = 1
         self.e_proj = Linear(args.hidden_size, args.hidden_size, False, dtype)
         self.h_proj = Linear(args.hidden_size, args.hidden_size, False, dtype)
         self.enorm = V4RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
@@ -92,16 +100,34 @@ class DeepseekV4MTPLayer(DeepseekV4Block):
         self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(args, args.hc_mult)
 
+    def draft(self, embeds: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext,
+              rope: V4Rope) -> torch.Tensor:
+        """``embeds [T, hidden]`` (the rows' tokens), ``streams [T, hc_mult, hidden]`` (the
+        target's, or this layer's when chained, one position earlier) -> this layer's output
+        streams ``[T, hc_mult, hidden]``, writing its window KV."""
+        t, n, h = streams.shape
+        joined = self.h_proj(self.hnorm(streams).reshape(t * n, h)).view(t, n, h)
+        return super().forward(joined + self.e_proj(self.enorm(embeds)).unsqueeze(1), input_ids, ctx, rope)
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        """Output streams ``[T, hc_mult, hidden]`` -> the hidden state ``[T, hidden]`` the LM head reads."""
+        a = self.args
+        return self.norm(hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a.hc_eps,
+                                 a.rms_norm_eps))
+
 
 class DeepseekV4ForCausalLM(nn.Module):
     """``native_experts``: keep routed experts in their checkpoint format (None: on CUDA only)."""
 
     def __init__(self, args: DeepseekV4Args, dtype: torch.dtype, ops: Ops = REFERENCE_OPS,
-                 native_experts: bool | None = None) -> None:
+                 native_experts: bool | None = None, mtp: bool = False) -> None:
         super().__init__()
         self.args = args
         self.dtype = dtype
         self.ops = ops
+        #: The engine drafts with the MTP layer(s): ``forward`` returns the pre-head streams they
+        #: read, and the ``swa`` KV group holds their layers too.
+        self.drafts_with_mtp = mtp
         # Block size 1 places layers in groups; the real block size only changes block shapes.
         self.kv_layout = layer_kv_layout(args, deepseek_v4_kv_specs(args, 1, "float32"))
         self.embed = Embedding(args.vocab_size, args.hidden_size, dtype)
@@ -112,8 +138,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.norm = V4RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _hc_params(args, args.hc_mult)
         self.head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, dtype)
-        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(args, kind, dtype, ops, native_experts)
-                                 for kind in args.mtp_layer_types)
+        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(args, kind, LayerKV((0, args.num_layers + i)), dtype, ops,
+                                                    native_experts)
+                                 for i, kind in enumerate(args.mtp_layer_types))
         self.rope = V4Rope(args)
 
     def kernel_choices(self) -> list[dict[str, Any]]:
@@ -144,18 +171,36 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.args.max_position_embeddings
 
     def kv_cache_specs(self, block_size: int, dtype: str) -> list[KVGroupSpec]:
-        return deepseek_v4_kv_specs(self.args, block_size, dtype)
+        specs = deepseek_v4_kv_specs(self.args, block_size, dtype)
+        if self.drafts_with_mtp:  # the MTP layers' windows: the layers after the model's in ``swa``
+            specs[0] = dataclasses.replace(specs[0], num_layers=specs[0].num_layers + len(self.mtp))
+        return specs
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """``input_ids [T]`` -> final hidden states ``[T, hidden]``."""
+        """``input_ids [T]`` -> final hidden states ``[T, hidden]``, or (drafting with the MTP
+        layer) the pre-head streams ``[T, hc_mult * hidden]`` it reads (``compute_logits``
+        finishes them)."""
         a = self.args
         x = self.embed(input_ids).unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()  # [T, hc, H]
         for layer in self.layers:
             x = layer(x, input_ids, ctx, self.rope)
-        x = hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a.hc_eps, a.rms_norm_eps)
-        return self.norm(x)
+        if self.drafts_with_mtp:
+            return x.flatten(1)
+        return self.final_hidden(x)
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """The last layer's streams ``[T, hc_mult, hidden]`` -> the hidden state the LM head reads."""
+        a = self.args
+        return self.norm(hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a.hc_eps,
+                                 a.rms_norm_eps))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.drafts_with_mtp:
+            hidden = self.final_hidden(hidden.view(hidden.shape[0], self.args.hc_mult, -1))
+        return self.head_logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final hidden states ``[T, hidden]`` (the MTP layers share it)."""
         weight = self.embed.weight if self.head is None else self.head.weight
         return nn.functional.linear(hidden, weight).float()
 
@@ -186,6 +231,7 @@ def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]
     return components
 
 
-def build_deepseek_v4(config: dict[str, Any], dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> DeepseekV4ForCausalLM:
+def build_deepseek_v4(config: dict[str, Any], dtype: torch.dtype, ops: Ops = REFERENCE_OPS,
+                      mtp: bool = False) -> DeepseekV4ForCausalLM:
     QuantScheme.from_config(config)  # an unknown quantization format fails before any allocation
-    return DeepseekV4ForCausalLM(DeepseekV4Args.from_hf(config), dtype, ops)
+    return DeepseekV4ForCausalLM(DeepseekV4Args.from_hf(config), dtype, ops, mtp=mtp)

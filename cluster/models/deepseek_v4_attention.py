@@ -57,6 +57,8 @@ class DeepseekV4Attention(nn.Module):
         super().__init__()
         self.args, self.layer_type, self.kv = args, layer_type, kv
         self.attention_kernel, self.rotary = ops.v4_sparse_attention, ops.rotary
+        #: The first position whose window entry may be attended (an MTP layer: 1; see deepseek_v4_mtp).
+        self.min_position = 0
         self.num_heads, self.head_dim = args.num_heads, args.head_dim
         self.rope_kind = "main" if layer_type == SLIDING else "compress"
         self.ratio = args.ratio(layer_type)
@@ -106,7 +108,7 @@ class DeepseekV4Attention(nn.Module):
                                     compressed_tables, topk, self.attn_sink, ctx.query_start_loc_cpu,
                                     ctx.seq_lens_cpu, self.args.sliding_window, max(self.ratio, 1),
                                     self.head_dim ** -0.5, query_start_loc=ctx.query_start_loc,
-                                    seq_lens=ctx.seq_lens)  # [T, H, D]
+                                    seq_lens=ctx.seq_lens, min_position=self.min_position)  # [T, H, D]
         # K = V carried RoPE into the output; undo it at the query position
         out = rope_tail(out, cos, -sin, self.rotary)
         return self.wo_b(self._grouped_wo_a(out))
@@ -172,6 +174,11 @@ class DeepseekV4Attention(nn.Module):
         column = (step.index // per_block).clamp(max=table.shape[1] - 1)
         blocks = table.gather(1, column[:, None])[:, 0]
         slots = step.index % per_block
+        if ctx.verify_slot is not None:
+            # A verify step: a request's rows may share a window, and only the one that completes
+            # it may write there; the others write into the null block.
+            cache[torch.where(step.done, blocks, 0), slots] = entries.to(cache.dtype)
+            return
         cache[blocks, slots] = torch.where(step.done[:, None], entries.to(cache.dtype), cache[blocks, slots])
 
     @staticmethod

@@ -16,6 +16,14 @@ A decode step (one new token per sequence) takes :func:`decode_step` instead: th
 once, with device tensors only (no loop over sequences, no host synchronisation): each carried
 pool merges its one token, the checkpoint after it is written, and every sequence reports the
 entry its window would complete with a ``done`` flag (the caller stores only those).
+
+A verify step (speculative decoding: a request's next positions, each its own one-token row) must
+leave the state of a request that never saw the rejected drafts: a verified position pools from
+its predecessor's state (not the state groups'), and its state goes to a row of
+``ForwardContext.verify_states`` instead of the state group; the engine copies the last accepted
+position's into its checkpoint block afterwards (``ModelRunner.commit_verified``). Entries the
+rejected positions complete are stored (they are not visible before their window's last position,
+which writes them again).
 """
 from __future__ import annotations
 
@@ -138,6 +146,9 @@ class ChunkCompressor:
         states = ctx.kv_caches[self.state_group][:, self.state_layer]  # [num_blocks, *state]
         table = ctx.block_tables[self.state_group].tolist()  # one device sync per layer, not per sequence
         block_size = ctx.block_sizes[self.state_group]
+        verify = ctx.verify_prev_cpu if ctx.verify_states is not None else None
+        scratch = ctx.verify_states[self.state_group] if ctx.verify_states is not None else None
+        verified: dict[int, torch.Tensor] = {}  # a verify step's states, by row: a row's carry is its predecessor's
         out = []
         q = ctx.query_start_loc_cpu
         for i, seq_len in enumerate(ctx.seq_lens_cpu):
@@ -146,16 +157,24 @@ class ChunkCompressor:
             if n == 0:
                 continue
             start = seq_len - n
-            if start > 0:
+            if verify is not None and verify[q[i]] >= 0:
+                carry = verified[verify[q[i]]]
+            elif start > 0:
                 carry = states[table[i][(start - 1) // block_size]].float()
             else:
                 carry = empty_state(tuple(states.shape[1:]), states.device)
             chunk = pool_chunk((series_b[0][rows], series_b[1][rows]),
                                None if series_a is None else (series_a[0][rows], series_a[1][rows]),
                                start, self.ratio, carry)
-            positions = checkpoint_positions(start, seq_len, block_size)
-            blocks = torch.tensor([table[i][p // block_size] for p in positions], device=states.device)
-            states[blocks] = chunk.states_at(positions, self.ratio).to(states.dtype)
+            slot = ctx.verify_slot_cpu[q[i]] if ctx.verify_slot_cpu is not None else -1
+            if scratch is not None and slot >= 0:
+                # a verified position (one token): its state waits for the acceptance (commit_verified)
+                verified[q[i]] = chunk.states_at([start], self.ratio)[0]
+                scratch[slot, self.state_layer] = verified[q[i]].to(scratch.dtype)
+            else:
+                positions = checkpoint_positions(start, seq_len, block_size)
+                blocks = torch.tensor([table[i][p // block_size] for p in positions], device=states.device)
+                states[blocks] = chunk.states_at(positions, self.ratio).to(states.dtype)
             if chunk.entries.shape[0]:
                 out.append((i, chunk.first_window, chunk.entries))
         return out
@@ -183,18 +202,38 @@ def decode_step(series_b: tuple[torch.Tensor, torch.Tensor], series_a: tuple[tor
     carry = states[before].float()  # [B, *state]
     fresh = (pos == 0).view(-1, *([1] * (carry.dim() - 1)))
     carry = torch.where(fresh, empty_state(tuple(carry.shape), carry.device), carry)
+    done = pos % ratio == ratio - 1  # the token completes its window's entry
+    state, mean_b = _advance(carry, series_b, series_a, done)
+    after = table.gather(1, (pos // block_size)[:, None])[:, 0]
+    if ctx.verify_states is not None and ctx.verify_prev is not None and ctx.verify_slot is not None:
+        # A verify step: a verified position's carry is its predecessor's state (a scan over the
+        # request's positions, as deep as the step's longest), and its state waits in a row of its
+        # own for the acceptance (ModelRunner.commit_verified); the null block takes its write.
+        chained = (ctx.verify_prev >= 0).view(-1, *([1] * (carry.dim() - 1)))
+        predecessor = ctx.verify_prev.clamp(min=0)
+        for _ in range(ctx.verify_depth - 1):
+            state, mean_b = _advance(torch.where(chained, state[predecessor], carry), series_b, series_a, done)
+        scratch = ctx.verify_states[state_group]
+        assert scratch is not None
+        verified = ctx.verify_slot >= 0
+        scratch[torch.where(verified, ctx.verify_slot, scratch.shape[0] - 1), state_layer] = state.to(scratch.dtype)
+        after = torch.where(verified, 0, after)
+    states[after] = state.to(states.dtype)
+    return DecodeEntries(mean_b, pos // ratio, done)
+
+
+def _advance(carry: torch.Tensor, series_b: tuple[torch.Tensor, torch.Tensor],
+             series_a: tuple[torch.Tensor, torch.Tensor] | None, done: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The states after one token per row from the states before it ``carry``: ``[B, 2, C]``
+    (HCA) or ``[B, 2, 2, C]`` (CSA), and each row's pooled window so far ``[B, C]``."""
     carry_b = carry if series_a is None else carry[:, 0]  # [B, 2, C]
     lse_b, mean_b = merge_pools_ref(carry_b[:, 0], carry_b[:, 1], series_b[0].float(), series_b[1].float())
-    done = pos % ratio == ratio - 1  # the token completes its window's entry
     empty = torch.stack([torch.full_like(lse_b, EMPTY_LSE), torch.zeros_like(mean_b)], dim=1)  # [B, 2, C]
     b = torch.stack([lse_b, mean_b], dim=1)
     if series_a is None:
-        state = torch.where(done[:, None, None], empty, b)
-    else:
-        lse_a, mean_a = merge_pools_ref(carry[:, 1, 0], carry[:, 1, 1], series_a[0].float(), series_a[1].float())
-        a = torch.stack([lse_a, mean_a], dim=1)
-        # In progress: [entry so far, overlap part so far]; completed: [overlap part -> next entry, empty].
-        state = torch.where(done[:, None, None, None], torch.stack([a, empty], dim=1), torch.stack([b, a], dim=1))
-    after = table.gather(1, (pos // block_size)[:, None])[:, 0]
-    states[after] = state.to(states.dtype)
-    return DecodeEntries(mean_b, pos // ratio, done)
+        return torch.where(done[:, None, None], empty, b), mean_b
+    lse_a, mean_a = merge_pools_ref(carry[:, 1, 0], carry[:, 1, 1], series_a[0].float(), series_a[1].float())
+    a = torch.stack([lse_a, mean_a], dim=1)
+    # In progress: [entry so far, overlap part so far]; completed: [overlap part -> next entry, empty].
+    return torch.where(done[:, None, None, None], torch.stack([a, empty], dim=1), torch.stack([b, a], dim=1)), mean_b

@@ -27,10 +27,11 @@ class Linear(nn.Module):
         self.quantized = weight
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """``gated``: the weight is ``[gate; up]`` and the result ``silu(gate) * up``."""
+    def forward(self, x: torch.Tensor, gated: bool = False, dense: bool | None = None) -> torch.Tensor:
+        """``gated``: the weight is ``[gate; up]`` and the result ``silu(gate) * up``. ``dense``
+        (quantized CPU weights): see ``linear_q4``."""
         if self.quantized is not None:
-            return linear_q4(x, self.quantized, self.bias, gated=gated)
+            return linear_q4(x, self.quantized, self.bias, gated=gated, dense=dense)
         return self.ops.linear(x, self.weight, self.bias, gated=gated)
 
 
@@ -66,5 +67,5 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype, ops)
         self.down_proj = Linear(intermediate, hidden, bias, dtype, ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x, gated=True))
+    def forward(self, x: torch.Tensor, dense: bool | None = None) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x, gated=True, dense=dense), dense=dense)

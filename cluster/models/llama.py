@@ -104,10 +104,19 @@ class LlamaAttention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None and self.k_norm is not None \
             else (None, None)
         # q/k norms, rotary and the KV write in one op: [T, Hq, D] queries out, k/v into the cache
-        q = self.ops.qkv_prepare(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim, *rope,
-                                 k_cache, v_cache, meta.slot_mapping, *norms, self.eps)
+        dense = prompt_rows(ctx, t)
+        q = self.ops.qkv_prepare(self.qkv_proj(x, dense=dense), self.num_heads, self.num_kv_heads, self.head_dim,
+                                 *rope, k_cache, v_cache, meta.slot_mapping, *norms, self.eps)
         out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.o_proj(out.reshape(t, self.q_size), dense=dense)
+
+
+def prompt_rows(ctx: ForwardContext, num_rows: int) -> bool | None:
+    """True where the step computes prompt rows (``ForwardContext.prefill``, or several queries of
+    one sequence): quantized CPU projections then take one kernel whatever the chunk's size, so
+    a prompt's KV and first token do not depend on how it was chunked or how much of it a prefix
+    hit supplied; None (decode steps): the kernel the rows suit (``kernels.cpu_quant.linear_q4``)."""
+    return True if ctx.prefill or len(ctx.seq_lens_cpu) != num_rows else None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -126,7 +135,7 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, ctx, rope)
         h, residual = self.post_attention_layernorm(h, residual)
         assert residual is not None
-        return self.mlp(h), residual
+        return self.mlp(h, dense=prompt_rows(ctx, h.shape[0])), residual
 
 
 class LlamaForCausalLM(nn.Module):

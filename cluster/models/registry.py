@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from cluster.common.errors import ModelLoadError, UnsupportedArchitectureError
+from cluster.common.errors import ModelLoadError, UnsupportedArchitectureError, UnsupportedSettingError
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.context import ForwardContext
 from cluster.models.loader import count_safetensors, iter_safetensors, load_into, read_config
@@ -35,10 +35,12 @@ class CausalLM(Protocol):
 
 @dataclass(frozen=True)
 class Family:
-    """How to build a family: the kernels it needs (from config.json) and the model itself."""
+    """How to build a family: the kernels it needs (from config.json) and the model itself;
+    ``drafts_with_mtp``: its build takes ``mtp=True`` (the model drafts with its MTP layers)."""
 
     components: Callable[[dict[str, Any]], list[tuple[str, str, str, str]]]
-    build: Callable[[dict[str, Any], torch.dtype, Ops], Any]
+    build: Callable[..., Any]
+    drafts_with_mtp: bool = False
 
 
 def _llama_build(config: dict[str, Any], dtype: torch.dtype, ops: Ops) -> Any:
@@ -47,8 +49,8 @@ def _llama_build(config: dict[str, Any], dtype: torch.dtype, ops: Ops) -> Any:
 
 
 def _v4(name: str) -> Callable[..., Any]:
-    def call(*args: Any) -> Any:
-        return getattr(importlib.import_module("cluster.models.deepseek_v4"), name)(*args)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module("cluster.models.deepseek_v4"), name)(*args, **kwargs)
     return call
 
 
@@ -59,7 +61,7 @@ BUILDERS = {
     "LlamaForCausalLM": LLAMA,
     "Qwen2ForCausalLM": LLAMA,
     "Qwen3ForCausalLM": LLAMA,
-    "DeepseekV4ForCausalLM": Family(_v4("kernel_components"), _v4("build_deepseek_v4")),
+    "DeepseekV4ForCausalLM": Family(_v4("kernel_components"), _v4("build_deepseek_v4"), drafts_with_mtp=True),
 }
 
 
@@ -122,12 +124,13 @@ def load_tokenizer(model: str) -> tuple[Tokenizer | None, dict[str, Any]]:
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype,
                kernel_overrides: dict[str, str] | None = None, *, load_format: str = "auto",
-               seed: int = 0, keep_quantized: bool = False) -> LoadedModel:
+               seed: int = 0, keep_quantized: bool = False, mtp: bool = False) -> LoadedModel:
     """Load a model onto ``device``, with the kernels ``kernels.dispatch`` chooses for it there
     (``kernel_overrides``: attention_backend, moe_backend, draft_moe_backend). ``load_format=
     "dummy"``: random weights (:mod:`cluster.models.dummy`) instead of the checkpoint's.
     ``keep_quantized``: on a CPU, a GGUF file's quantized projections stay quantized
-    (:mod:`cluster.models.cpu_quant`); elsewhere it changes nothing."""
+    (:mod:`cluster.models.cpu_quant`); elsewhere it changes nothing. ``mtp``: the model drafts
+    with its MTP layers (families that have them; refused for the others)."""
     path = resolve_model_path(model)
     dummy = load_format == "dummy"
     checkpoint = None
@@ -145,10 +148,14 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
         raise ModelLoadError(f"load_format=dummy needs a directory with config.json, got {path!r}", param="model")
     else:
         raise ModelLoadError(f"model path {path!r} is neither a directory nor a .gguf file", param="model")
-    family = BUILDERS[architecture_of(config)]
+    architecture = architecture_of(config)
+    family = BUILDERS[architecture]
+    if mtp and not family.drafts_with_mtp:
+        raise UnsupportedSettingError(f"speculative_method='mtp' drafts with a model's MTP layers (DeepSeek-V4); "
+                                      f"{architecture} has none", param="speculative_method")
     ops = resolve_ops(family.components(config), device, **(kernel_overrides or {}))
     with torch.device(device):
-        net = family.build(config, dtype, ops)
+        net = family.build(config, dtype, ops, **({"mtp": True} if mtp else {}))
     desc = f"Loading {os.path.basename(path.rstrip('/'))}"
     if dummy:
         from cluster.models.dummy import init_dummy_weights

@@ -132,3 +132,51 @@ def test_speculative_serving_equals_offline_without_speculation(cluster, model_d
     running = cluster.wait_for_metric("cluster:num_requests_running", lambda v: bool(v) and not any(v), timeout=30.0,
                                       role="decode")
     assert running and not any(running)
+
+
+@pytest.fixture(scope="module")
+def v4_mtp_dir(tmp_path_factory):
+    """A small random DeepSeek-V4 (CSA and HCA layers) with an MTP layer."""
+    from tests.deepseek_factories import make_v4_checkpoint
+    from tests.models.test_deepseek_v4_mtp import add_mtp
+    path = str(tmp_path_factory.mktemp("e2e-v4-mtp"))
+    hf = make_v4_checkpoint(path, "csa_hca")
+    add_mtp(path, hf.config.to_dict())
+    return path
+
+
+@pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
+def test_deepseek_v4_mtp_serving_equals_offline_without_speculation(cluster, v4_mtp_dir, layout):
+    """DeepSeek-V4 drafting with its MTP layer (its compressors' state rolled back past rejected
+    drafts): completions with prompt lists, n = 2 greedy and n = 3 seeded, streamed and not, equal
+    to offline generation without speculation; disaggregated, every decode request drafts from the
+    prefill replica's hand-over (the layer's window KV and the target's last streams)."""
+    llm = LLM(v4_mtp_dir, block_size=16)
+
+    def offline(n, **sampling):
+        params = SamplingParams(n=n, max_tokens=MAX_TOKENS, ignore_eos=True, **sampling)
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)]
+    settings = {"model": v4_mtp_dir, "kv_transfer": "ipc", "speculative_method": "mtp", "num_speculative_tokens": 2,
+                "remote_kv_grace_s": 0.5}
+    if layout == "colocated":
+        settings["prefill_replicas"] = 0
+    cluster.deploy(settings)
+    model = model_name(v4_mtp_dir)
+    before = sum(cluster.metric("cluster:spec_decode_num_drafts_total", role="decode"))
+    for stream in (False, True):
+        assert asyncio.run(_completions(cluster, model, 2, stream, temperature=0.0)) == offline(2, temperature=0.0)
+        assert asyncio.run(_completions(cluster, model, 3, stream, **SEEDED)) == offline(3, **SEEDED)
+    drafts = cluster.wait_for_metric("cluster:spec_decode_num_drafts_total", lambda v: sum(v) > before + 20,
+                                     role="decode")
+    assert sum(drafts) > before + 20
+    rows = str(httpx.get(f"{cluster.base_url}/v1/backends", timeout=10).json())
+    assert "speculative_decoding" in rows and "'mtp'" in rows and "mtp.moe" in rows
+    if layout == "disaggregated":
+        assert cluster.metric("cluster:spec_decode_num_draft_tokens_total", role="prefill") == []
+        handed = cluster.metric("cluster:draft_head_states_handed_over_total", role="decode")
+        assert handed and sum(handed) >= len(PROMPTS) * 4, handed
+        assert sum(cluster.metric("cluster:draft_head_cold_starts_total", role="decode")) == 0
+    for role in (("prefill", "decode") if layout == "disaggregated" else ("decode",)):
+        usage = cluster.wait_for_metric("cluster:kv_cache_usage_perc", lambda v: bool(v) and max(v) == 0.0,
+                                        timeout=30.0, role=role)
+        assert usage and max(usage) == 0.0, (role, usage)

@@ -48,7 +48,7 @@ def test_cpu_resolves_every_component_to_the_references(llama_dir):
     graphs = table.pop("cuda_graphs")  # not a kernel: whether decode replays graphs, and why not
     assert graphs["impl"] == "off" and "the device is cpu" in graphs["reason"]
     assert set(table) == {"attention", "kv_cache_write", "qkv_prepare", "rms_norm", "rotary", "silu_and_mul",
-                          "sampler", "linear"}
+                          "sampler", "linear", "spec_verify_rows", "spec_accept_draft_rows"}
     assert all(row["impl"] == "torch" and row["device"] == "cpu" for row in table.values())
 
 

@@ -112,7 +112,7 @@ def _moe_cases(triton_moe: Any) -> Iterator[tuple[str, Any, tuple[Any, ...], dic
             s13, s2 = w13, w2
         else:
             s13, s2 = _t(experts, 2 * inter, hidden // group, dtype=torch.uint8), _t(experts, hidden, inter // group, dtype=torch.uint8)
-        for block_m in (16, 64):
+        for block_m in (16, 32, 64):  # every BLOCK_M the kernel picks (triton_moe._block_m)
             common = dict(FMT=code, SCALE_UE8M0=False, UPCAST=False, FAST=code != 0, F32_DOT=False,
                           BLOCK_M=block_m, EVEN_K=True)
             archs = ARCHS

@@ -150,3 +150,19 @@ def test_quantized_batches_equal_single_requests(quantized):
     prompts = [f"{i}. {README_PROMPTS[0]}" for i in range(4)]
     alone = [quantized.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert [o.outputs[0].token_ids for o in quantized.generate(prompts, params)] == alone
+
+
+def test_a_prompts_answer_does_not_depend_on_its_chunking_or_a_prefix_hit(quantized):
+    """The int4 kernel and the bfloat16 GEMM round differently, and a prompt chunked or partly
+    supplied by the prefix cache has chunks of every size: prompt rows take the GEMM whatever
+    their count (decode steps the kernel their rows suit), so the README's question gets one
+    answer however its prompt was computed."""
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    chat = README_CHATS[0]
+    want = quantized.chat(chat, params)[0].outputs[0].token_ids
+    again = quantized.chat(chat, params)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == want
+    n = len(again.prompt_token_ids)
+    for chunk in (8, n - 5, n - 1):  # chunks of 8, a last chunk of 5 rows, of one row
+        llm = LLM("smollm2", max_num_batched_tokens=chunk, enable_prefix_caching=False)
+        assert llm.chat(chat, params)[0].outputs[0].token_ids == want, chunk
