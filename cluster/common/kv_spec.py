@@ -95,3 +95,14 @@ def kv_bytes_per_token(specs: list[KVGroupSpec], context_len: int) -> float:
         needed = spec.blocks_needed(context_len) - spec.first_needed_block(context_len)
         total += needed * spec.bytes_per_block
     return total / max(1, context_len)
+
+
+def checkpoint_positions(start: int, end: int, block_size: int) -> list[int]:
+    """Positions in ``[start, end)`` whose state a ``state`` group checkpoints when they are
+    computed together (a chunk, a verify step's accepted positions): every block's last token, and
+    the last one."""
+    first_block_end = (start // block_size + 1) * block_size - 1
+    positions = list(range(first_block_end, end, block_size))
+    if not positions or positions[-1] != end - 1:
+        positions.append(end - 1)
+    return positions

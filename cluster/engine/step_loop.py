@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from cluster.common.kv_spec import checkpoint_positions
 from cluster.common.outputs import PositionLogprobs, RequestOutput
 from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
 from cluster.engine.kv_cache_manager import KVCacheManager
@@ -179,11 +180,10 @@ class StepLoop:
                 continue
             if s.draft_token_ids:
                 taken = self._take_verified(s, result)
-                if request.status is RequestStatus.RUNNING:  # every block's last state, and the newest
-                    first, block = result.verify_slots[s.request_id], self.cache_config.block_size
-                    start, end = s.num_computed_tokens, s.num_computed_tokens + taken
-                    commits += [(first + q - start, s.request_id, q) for q in range(start, end)
-                                if q % block == block - 1 or q == end - 1]
+                if request.status is RequestStatus.RUNNING:
+                    first, start = result.verify_slots[s.request_id], s.num_computed_tokens
+                    commits += [(first + q - start, s.request_id, q)
+                                for q in checkpoint_positions(start, start + taken, self.cache_config.block_size)]
                 continue
             self.scheduler.mark_computed(s)
             token = result.sampled.get(request.request_id)

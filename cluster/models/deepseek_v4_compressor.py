@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from cluster.common.kv_spec import checkpoint_positions
 from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4_layers import V4RMSNorm
 from cluster.models.layers import Linear
@@ -118,16 +119,6 @@ def empty_state(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     state = torch.zeros(shape, device=device)
     state[..., 0, :] = EMPTY_LSE
     return state
-
-
-def checkpoint_positions(start: int, end: int, block_size: int) -> list[int]:
-    """Positions in ``[start, end)`` whose state is checkpointed: every block's last token, and the
-    chunk's last token."""
-    first_block_end = (start // block_size + 1) * block_size - 1
-    positions = list(range(first_block_end, end, block_size))
-    if not positions or positions[-1] != end - 1:
-        positions.append(end - 1)
-    return positions
 
 
 class ChunkCompressor:
