@@ -43,6 +43,7 @@ for part in "$@"; do
     gputests) timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/kernels/test_linear.py tests/engine/test_cuda_graphs.py tests/models/test_deepseek_v4_ops.py tests/kernels/test_deepseek_v4_kernels.py -p no:cacheprovider 2>&1 | tail -15 ;;
     v4decode) timeout 400 python3 bench/v4_decode_gpu.py --out "$OUT/v4-decode-h200-$date.json" 2>&1 | tail -20 ;;
     spec) timeout 300 python3 bench/spec_decode_gpu.py --out "$OUT/spec-decode-h200-$date.json" 2>&1 | tail -12 ;;
+    v4mtp) timeout 560 python3 bench/v4_mtp_gpu.py --out "$OUT/v4-mtp-h200-$date.json" 2>&1 | grep -v "^Loading" | tail -40 ;;
     v4) timeout 240 python3 bench/deepseek_v4_layers.py --out "$OUT/deepseek-v4-layers-h200-$date.json" 2>&1 | tail -30 ;;
     *) echo "unknown part $part" ;;
   esac

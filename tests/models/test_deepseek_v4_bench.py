@@ -59,3 +59,22 @@ def test_v4_engine_decode_bench_tiny_run(tmp_path) -> None:
         assert row["step_ms"] > 0 and row["steps_timed"] > 0 and row["dense_bytes"] > 0
     # a larger batch touches more experts and reads three times the KV
     assert b3["routed_expert_bytes"] > b1["routed_expert_bytes"] and b3["kv_bytes"] == 3 * b1["kv_bytes"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test (the GPU runs the real script)")
+def test_v4_mtp_bench_tiny_run(tmp_path) -> None:
+    """bench/v4_mtp_gpu.py at toy widths on CPU: every row (no speculation, verify alone, MTP at a
+    set acceptance) gets a step time; a set acceptance of 1 takes k + 1 tokens a step, 0 takes one,
+    and the engine's own acceptance rule is back in place afterwards."""
+    import bench.v4_mtp_gpu as bench
+    from cluster.engine import spec_decode, step_loop
+
+    result = bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "v4-mtp.json")])
+    assert not result["errors"], result["errors"]
+    rows = result["rows"]
+    assert {"none-b1", "verify-k2-b2", "mtp-k1-a0.0-b1", "mtp-k2-a1.0-b2"} <= rows.keys()
+    assert all(row["step_ms"] > 0 for row in rows.values())
+    assert rows["mtp-k2-a1.0-b1"]["tokens_per_step"] == 3.0 and rows["mtp-k2-a0.0-b1"]["tokens_per_step"] == 1.0
+    assert "draft_over_decode" in rows["mtp-k1-a0.0-b1"] and "speedup_over_none" in rows["mtp-k1-a1.0-b2"]
+    assert step_loop.accepted_length is spec_decode.accepted_length
+    assert result["fast_paths"]["mtp-k1"]["draft_graphs"].startswith("off: the device is cpu")  # said, not hidden

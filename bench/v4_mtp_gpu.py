@@ -1,0 +1,157 @@
+"""DeepSeek-V4 MTP on a GPU: what speculation costs and gives the machine, at V4-Flash width.
+
+Model: bench/deepseek_v4_layers.py's four layers (sliding, CSA, HCA, CSA) at V4-Flash width plus
+the MTP layer, MXFP4 routed experts (the MTP layer's too), random weights (``load_format=dummy``).
+Random weights accept no draft, so the acceptance is set by the benchmark: in the ``mtp`` rows
+each draft is taken with probability ``a`` if every draft before it was (seeded), in place of the
+comparison with the target's token. The engine then does all it does for that many accepted tokens
+(per-token output path, KV truncation, the compressors' states rolled back to the accepted
+position, the MTP layer's next pass from there); the run's tokens are not the model's, and that
+is all that differs. For each batch (1, 8, 32): that many 512-token prompts, 48 new tokens; the
+step time is the median interval between ``step()`` returns while every request decodes.
+Rows:
+  none-bB          no speculation: decode graphs, pipelined (the anchor, same run)
+  verify-kK-bB     every request verifies k drafts (the last token repeated; the n-gram path, no
+                   draft model): a verify step's cost alone
+  mtp-kK-aA-bB     the MTP layer drafts k tokens per step (its proposal replays its draft graphs),
+                   acceptance a in (0, 0.5, 0.8, 1): step time, tokens per step, output tok/s and
+                   speedup over none; draft_ms = the mtp step at a = 0 less the verify step
+The anchors' acceptance is marked: DeepSeek-V3's MTP takes 85-90% of second tokens; about 3.1
+accepted tokens per step with 3 drafts are reported for V4 (a ~ 0.85 per draft).
+
+    python bench/v4_mtp_gpu.py --out bench/results/v4-mtp-h200-<date>.json
+    python bench/v4_mtp_gpu.py --tiny --device cpu --out /tmp/v4-mtp.json   # plumbing check
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import sys
+import tempfile
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import environment, require_graphs, write_result  # noqa: E402
+from bench.deepseek_v4_layers import model_config  # noqa: E402
+from bench.engine_gpu import decode_steps  # noqa: E402
+from bench.serve_gpu import WIDTH, write_model_dir  # noqa: E402
+from bench.spec_decode_gpu import RepeatLast  # noqa: E402
+from cluster.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from cluster.engine import step_loop  # noqa: E402
+from cluster.engine.engine import LLMEngine  # noqa: E402
+
+BATCHES, KS, ACCEPTANCE, PROMPT, NEW = (1, 8, 32), (1, 2, 3), (0.0, 0.5, 0.8, 1.0), 512, 48
+TINY_RUN = ((1, 2), (1, 2), (0.0, 1.0), 24, 8)
+ANCHORS = {"deepseek_v3_mtp_second_token": [0.85, 0.90], "v4_accepted_tokens_per_step_k3": 3.1}
+
+
+def make_engine(path: str, device: str, method: str, k: int, max_num_seqs: int) -> LLMEngine:
+    return LLMEngine(ModelConfig(model=path, load_format="dummy", device=device, dtype="bfloat16",
+                                 max_model_len=2048, speculative_method=method, num_speculative_tokens=max(k, 1)),
+                     CacheConfig(block_size=16, gpu_memory_utilization=0.85),
+                     SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192))
+
+
+class SetAcceptance:
+    """In place of ``accepted_length``: each draft taken with probability ``a`` while every
+    draft before it was (seeded, so every run draws the same)."""
+
+    def __init__(self, a: float, seed: int = 0) -> None:
+        self.a, self.rng = a, random.Random(seed)
+
+    def __call__(self, drafts: list[int], targets: list[int]) -> int:
+        m = 0
+        while m < len(drafts) and self.rng.random() < self.a:
+            m += 1
+        return m
+
+
+def measure(engine: LLMEngine, batch: int, prompt: int, new: int, name: str) -> dict[str, Any]:
+    stats = engine.spec_stats
+    drafts0, accepted0 = (stats.num_drafts, stats.num_accepted_tokens) if stats else (0, 0)
+    row: dict[str, Any] = decode_steps(engine, batch, prompt, new, name)
+    if stats is not None and stats.num_drafts > drafts0:
+        row["tokens_per_step"] = 1 + (stats.num_accepted_tokens - accepted0) / (stats.num_drafts - drafts0)
+    else:
+        row["tokens_per_step"] = 1.0
+    row["output_tok_s"] = batch * row["tokens_per_step"] / (row["step_ms"] / 1000)
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=f"bench/results/v4-mtp-h200-{datetime.date.today()}.json")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="toy widths (plumbing check)")
+    args = parser.parse_args(argv)
+    batches, ks, acceptance, prompt, new = TINY_RUN if args.tiny else (BATCHES, KS, ACCEPTANCE, PROMPT, NEW)
+    on_gpu = args.device.startswith("cuda")
+    config = dict(model_config(args.tiny), vocab_size=WIDTH["vocab_size"], torch_dtype="bfloat16",
+                  num_nextn_predict_layers=1)
+    result: dict[str, Any] = {
+        "benchmark": "v4-mtp", "config": config, "environment": environment(), "anchors": ANCHORS,
+        "model": f"DeepSeek-V4-Flash width, {config['num_hidden_layers']} layers + the MTP layer, MXFP4 experts, "
+                 "random weights",
+        "method": f"{prompt}-token prompts, {new} new tokens, median step; acceptance set by the benchmark "
+                  "(see the script); none is the anchor", "rows": {}, "errors": {}, "fast_paths": {}}
+    rows = result["rows"]
+    real_acceptance = step_loop.accepted_length
+    with tempfile.TemporaryDirectory() as path:
+        write_model_dir(path, config)
+        runs = [("none", 0)] + [(method, k) for k in ks for method in ("verify", "mtp")]
+        for method, k in runs:
+            try:
+                engine = make_engine(path, args.device, {"none": "none", "verify": "ngram", "mtp": "mtp"}[method], k,
+                                     max(batches))
+            except Exception as exc:  # noqa: BLE001 - record and go on
+                result["errors"][f"{method}-k{k}"] = repr(exc)
+                continue
+            if method == "verify":
+                engine.proposer = RepeatLast()  # type: ignore[assignment]
+            paths = {"cuda_graphs": require_graphs(engine, f"{method} rows") if on_gpu
+                     else engine.runner.graph_status.describe(), "backends": engine.backends()}
+            if engine.runner.drafter is not None:
+                paths["draft_graphs"] = engine.runner.drafter.graph_status.describe()
+            result["fast_paths"][f"{method}-k{k}"] = paths
+            for a in (acceptance if method == "mtp" else (0.0,)):
+                step_loop.accepted_length = SetAcceptance(a) if method == "mtp" else real_acceptance  # type: ignore
+                for batch in batches:
+                    name = f"{method}-b{batch}" if method == "none" else (
+                        f"verify-k{k}-b{batch}" if method == "verify" else f"mtp-k{k}-a{a}-b{batch}")
+                    try:
+                        rows[name] = measure(engine, batch, prompt, new, name)
+                        print(name, json.dumps({x: round(v, 3) if isinstance(v, float) else v
+                                                for x, v in rows[name].items()}), flush=True)
+                    except Exception as exc:  # noqa: BLE001
+                        result["errors"][name] = repr(exc)
+            step_loop.accepted_length = real_acceptance
+            del engine
+            if on_gpu:
+                torch.cuda.empty_cache()
+    for batch in batches:
+        none = rows.get(f"none-b{batch}")
+        for k in ks:
+            verify, idle = rows.get(f"verify-k{k}-b{batch}"), rows.get(f"mtp-k{k}-a0.0-b{batch}")
+            if none and verify:
+                verify["step_over_decode"] = verify["step_ms"] / none["step_ms"]
+            if none and verify and idle:
+                idle["draft_ms"] = idle["step_ms"] - verify["step_ms"]
+                idle["draft_over_decode"] = idle["draft_ms"] / none["step_ms"]
+            for a in acceptance:
+                row = rows.get(f"mtp-k{k}-a{a}-b{batch}")
+                if none and row:
+                    row["speedup_over_none"] = row["output_tok_s"] / none["output_tok_s"]
+    write_result(args.out, result)
+    if result["errors"]:
+        print("errors:", json.dumps(result["errors"], indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
