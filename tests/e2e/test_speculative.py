@@ -138,10 +138,12 @@ def test_speculative_serving_equals_offline_without_speculation(cluster, model_d
 def v4_mtp_dir(tmp_path_factory):
     """A small random DeepSeek-V4 (CSA and HCA layers) with an MTP layer."""
     from tests.deepseek_factories import make_v4_checkpoint
+    from tests.factories import save_tokenizer
     from tests.models.test_deepseek_v4_mtp import add_mtp
     path = str(tmp_path_factory.mktemp("e2e-v4-mtp"))
     hf = make_v4_checkpoint(path, "csa_hca")
     add_mtp(path, hf.config.to_dict())
+    save_tokenizer(path, vocab_size=256)  # the HTTP API needs one; prompts are token ids below 256
     return path
 
 
