@@ -47,7 +47,8 @@ class ModelConfig:
     #: context's last n tokens, n from prompt_lookup_max down to prompt_lookup_min);
     #: "draft_head" (a one-layer head over the model's last hidden state, Llama family: prefill
     #: engines run it over the prompt and hand its state to decode); "mtp" (DeepSeek-V4's MTP
-    #: layer, the same way). "dspark" is refused until it is built.
+    #: layer, the same way); "dspark" (DeepSeek-V4-Flash-0731 / V4.1's DSpark drafter: one block of
+    #: up to dspark_block_size drafts per step; its state travels in the KV blocks).
     speculative_method: SpeculativeMethod = "none"
     #: Draft tokens proposed per step (k): each verify step computes 1 + k positions.
     num_speculative_tokens: int = 4
@@ -56,16 +57,19 @@ class ModelConfig:
     #: draft_head weights (a safetensors file from bench/train_draft_head.py); None: the head
     #: shipped for the model (cluster/models/draft_heads: "smollm2").
     speculative_model: str | None = None
+    #: dspark: a block's drafts stop at the first whose confidence head gives it less than this
+    #: chance of acceptance (sigmoid); 0 (default): every block verifies all its drafts.
+    dspark_confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
         _choice("load_format", self.load_format, ("auto", "dummy"))
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _choice("speculative_method", self.speculative_method, typing.get_args(SpeculativeMethod))
-        if self.speculative_method == "dspark":
+        if not 0.0 <= self.dspark_confidence_threshold < 1.0:
             raise UnsupportedSettingError(
-                "speculative_method='dspark' is not built yet; use 'ngram', 'draft_head', 'mtp' or 'none'",
-                param="speculative_method")
+                f"dspark_confidence_threshold must be in [0, 1), got {self.dspark_confidence_threshold}",
+                param="dspark_confidence_threshold")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise UnsupportedSettingError(

@@ -203,3 +203,44 @@ def random_mtp_tensors(config: dict[str, Any], seed: int = 1) -> dict[str, torch
         shapes |= {f"ffn.experts.{x}.w1.weight": (i, h), f"ffn.experts.{x}.w2.weight": (h, i),
                    f"ffn.experts.{x}.w3.weight": (i, h)}
     return {f"mtp.0.{k}": torch.randn(s, generator=g) * 0.1 for k, s in shapes.items()}
+
+
+def random_dspark_tensors(config: dict[str, Any], num_stages: int, num_targets: int, rank: int,
+                          seed: int = 2) -> dict[str, torch.Tensor]:
+    """Released-layout tensors of a DSpark drafter (DeepSeek-V4-Flash-0731: ``mtp.<s>.*`` V4
+    blocks on the sliding path with learned routing; ``main_proj``/``main_norm`` on stage 0; the
+    hyper head, ``norm``, Markov and confidence heads on the last) for ``config``."""
+    g = torch.Generator().manual_seed(seed)
+    h, v, n = config["hidden_size"], config["vocab_size"], config["hc_mult"]
+    block = {k.removeprefix("mtp.0."): t.shape for k, t in random_mtp_tensors(config, seed).items()
+             if not k.removeprefix("mtp.0.").startswith(("e_proj", "h_proj", "enorm", "hnorm", "norm", "hc_head"))}
+    out: dict[str, torch.Tensor] = {}
+    for s in range(num_stages):
+        shapes = dict(block)
+        if s == 0:
+            shapes |= {"main_proj.weight": (h, num_targets * h), "main_norm.weight": (h,)}
+        if s == num_stages - 1:
+            shapes |= {"norm.weight": (h,), "hc_head_fn": (n, n * h), "hc_head_base": (n,), "hc_head_scale": (1,),
+                       "markov_head.markov_w1.weight": (v, rank), "markov_head.markov_w2.weight": (v, rank),
+                       "confidence_head.proj.weight": (1, h + rank)}
+        for k, shape in shapes.items():
+            t = torch.randn(shape, generator=g) * 0.1
+            if k.endswith("norm.weight") or k.endswith("scale"):
+                t = 1.0 + t * 2
+            out[f"mtp.{s}.{k}"] = t
+    return out
+
+
+def add_dspark(path: str, config: dict[str, Any], targets: list[int], num_stages: int = 3, block: int = 5,
+               rank: int = 8, noise: int = 7, seed: int = 2, **keys: Any) -> dict[str, torch.Tensor]:
+    """Write a random DSpark drafter into the checkpoint at ``path`` (and its ``dspark_*`` keys)."""
+    tensors = random_dspark_tensors(config, num_stages, len(targets), rank, seed)
+    edit_tensors(path, lambda t: t.update(tensors))
+
+    def keys_of(c: dict[str, Any]) -> None:
+        c.update(dspark_block_size=block, dspark_target_layer_ids=list(targets), dspark_markov_rank=rank,
+                 dspark_noise_token_id=noise, num_nextn_predict_layers=1, **keys)
+        if num_stages != len(targets):
+            c["n_mtp_layers"] = num_stages
+    edit_config(path, keys_of)
+    return tensors

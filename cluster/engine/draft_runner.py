@@ -107,6 +107,18 @@ class DraftHeadRunner:
         self.states[request_id] = DraftState(position, hidden.reshape(1, -1).to(self.device, self.head.dtype))
         self.num_seeded += 1
 
+    def handover(self, request_id: str, tables: list[list[int]], position: int) -> bytes | None:
+        """Prefill side: the hidden state the decode replica seeds the head with (float32 bytes)."""
+        hidden = self.last_hidden(request_id)
+        return None if hidden is None else hidden.numpy().tobytes()
+
+    def receive(self, request_id: str, tables: list[list[int]], position: int, blob: bytes | None) -> bool:
+        """Decode side: the prompt's blocks landed with ``blob`` (None: the head starts cold)."""
+        if blob is None:
+            return False
+        self.seed(request_id, position, torch.frombuffer(bytearray(blob), dtype=torch.float32))
+        return True
+
     def fork(self, parent: str, child: str, position: int) -> None:
         """``child`` took ``parent``'s prompt KV (a sample of the same request): it starts from
         the same hidden state, if the parent's state is still at the prompt's end."""

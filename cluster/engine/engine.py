@@ -99,7 +99,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             "attention_backend": model_config.attention_backend, "moe_backend": model_config.moe_backend,
             "draft_moe_backend": model_config.draft_moe_backend}, load_format=model_config.load_format,
             seed=model_config.seed, keep_quantized=model_config.dtype is None,
-            mtp=model_config.speculative_method == "mtp")
+            mtp=model_config.speculative_method == "mtp", dspark=model_config.speculative_method == "dspark")
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.startup_timings["load_s"] = time.perf_counter() - start
@@ -210,6 +210,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
     def _spec_pipeline_blocker(self) -> str:
         """Why verify steps cannot run pipelined ("" where they can)."""
         if self.model_config.speculative_method not in ("draft_head", "mtp"):
+            if self.model_config.speculative_method == "dspark":
+                return "speculative_method='dspark' drafts its blocks eagerly (no pipelined verify steps for it yet)"
             return f"speculative_method={self.model_config.speculative_method!r} proposes on the host"
         if len(self.kv_specs) != 1:
             return (f"the model's KV is {len(self.kv_specs)} groups ({', '.join(s.name for s in self.kv_specs)}): "
@@ -234,6 +236,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             self._init_draft_head()
         elif method == "mtp":
             self._init_mtp()
+        elif method == "dspark":
+            self._init_dspark()
         if method == "none" or self.scheduler_config.prefill_only:
             return
         if any(spec.kind == "state" for spec in self.kv_specs):
@@ -256,6 +260,20 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         logger.info("MTP layer drafts (%d parameters, window KV as layer %d of group %s)",
                     sum(p.numel() for p in drafter.module.parameters()), self.kv_specs[0].num_layers - 1,
                     self.kv_specs[0].name)
+
+    def _init_dspark(self) -> None:
+        """Draft with the model's DSpark stages (their context entries: layers after the model's
+        in its ``swa`` group, written by the target's forward)."""
+        from cluster.engine.dspark_runner import DSparkRunner
+        runner = DSparkRunner(self.model, self.runner.kv_caches, self.cache_config.block_size, self.device,
+                              self.model_config.num_speculative_tokens,
+                              self.model_config.dspark_confidence_threshold)
+        self.runner.drafter = runner  # type: ignore[assignment]
+        spec = runner.drafter.spec
+        logger.info("DSpark drafts blocks of %d (%d stages, %d parameters, features of layers %s, entries as layers "
+                    "%d.. of group %s, confidence threshold %s)", spec.block_size, spec.num_stages,
+                    sum(p.numel() for p in self.model.mtp.parameters()), list(spec.target_layer_ids),
+                    runner.drafter.layers[0][1], self.kv_specs[0].name, runner.threshold or "off")
 
     def _init_draft_head(self) -> None:
         """Load the draft head (its KV: the last layer of the full-attention group, added by

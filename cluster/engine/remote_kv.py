@@ -61,9 +61,8 @@ class RemoteKV:
             return False
         group = self._sample_group[request_id]
         drafter = self.runner.drafter
-        if drafter is not None and draft_hidden is not None:  # the head starts where the prompt ends
-            drafter.seed(request_id, request.num_computed_tokens,
-                         torch.frombuffer(bytearray(draft_hidden), dtype=torch.float32))
+        if drafter is not None:  # the drafter starts where the prompt ends, from the prefill's hand-over
+            drafter.receive(request_id, self.kv.block_tables(request_id), request.num_computed_tokens, draft_hidden)
         for sample, drawn in zip(group.samples[1:], others):
             self._first_tokens[sample.request_id] = drawn
         self._take_token(request, first_token, logprobs)

@@ -117,7 +117,7 @@ def make_proposer(config: ModelConfig) -> Proposer | None:
         return None
     if config.speculative_method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.speculative_method in ("draft_head", "mtp"):
+    if config.speculative_method in ("draft_head", "mtp", "dspark"):
         return DraftHeadProposer(config.speculative_method)
     raise AssertionError(f"speculative_method={config.speculative_method!r} passed validation")
 

@@ -188,8 +188,8 @@ class StepLoop:
             self.scheduler.mark_computed(s)
             token = result.sampled.get(request.request_id)
             if token is not None and self.scheduler_config.prefill_only and self.runner.drafter is not None:
-                hidden = self.runner.drafter.last_hidden(request.request_id)  # for the decode worker
-                request.draft_hidden = None if hidden is None else hidden.numpy().tobytes()
+                request.draft_hidden = self.runner.drafter.handover(  # for the decode worker
+                    request.request_id, self.kv.block_tables(request.request_id), request.num_computed_tokens)
             if token is not None:
                 self._take_token(request, token, result.logprobs.get(request.request_id))
         if commits and self.runner.verify_states is not None:
@@ -254,7 +254,9 @@ class StepLoop:
                 return  # the placeholders stay: any drafts verify exactly, these are just rejected
             for s in sched.scheduled:
                 if s.request.request_id in drafts:
-                    s.request.spec_token_ids = drafts[s.request.request_id]
+                    new = drafts[s.request.request_id]
+                    s.num_new_tokens -= len(s.request.spec_token_ids) - len(new)  # a block stopped early
+                    s.request.spec_token_ids = new
 
     def _take_token(self, request: Request, token: int, logprobs: PositionLogprobs | None) -> None:
         """Append a sampled token to ``request``, then its stop checks and output bookkeeping."""

@@ -32,6 +32,7 @@ from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4_attention import DeepseekV4Attention
 from cluster.models.deepseek_v4_config import CSA, DeepseekV4Args
+from cluster.models.deepseek_v4_dspark import DSparkDrafter, DSparkStage
 from cluster.models.deepseek_v4_kv import LayerKV, deepseek_v4_kv_specs, layer_kv_layout
 from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head, hc_post, hc_pre
 from cluster.models.deepseek_v4_moe import DeepseekV4MoE
@@ -120,7 +121,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     """``native_experts``: keep routed experts in their checkpoint format (None: on CUDA only)."""
 
     def __init__(self, args: DeepseekV4Args, dtype: torch.dtype, ops: Ops = REFERENCE_OPS,
-                 native_experts: bool | None = None, mtp: bool = False) -> None:
+                 native_experts: bool | None = None, mtp: bool = False, dspark: bool = False) -> None:
         super().__init__()
         self.args = args
         self.dtype = dtype
@@ -128,7 +129,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         #: The engine drafts with the MTP layer(s): ``forward`` returns the pre-head streams they
         #: read, and the ``swa`` KV group holds their layers too.
         self.drafts_with_mtp = mtp
-        # Block size 1 places layers in groups; the real block size only changes block shapes.
+        #: The engine drafts with the DSpark stages: ``forward`` captures the target layers'
+        #: features and writes the stages' context entries (more layers of the ``swa`` group).
+        self.drafts_with_dspark = dspark
+        if dspark and args.dspark is None:
+            from cluster.common.errors import UnsupportedSettingError
+            raise UnsupportedSettingError("speculative_method='dspark' needs a DSpark checkpoint (dspark_* config "
+                                          "keys: DeepSeek-V4-Flash-0731, V4.1-Flash); this one has none",
+                                          param="speculative_method")        # Block size 1 places layers in groups; the real block size only changes block shapes.
         self.kv_layout = layer_kv_layout(args, deepseek_v4_kv_specs(args, 1, "float32"))
         self.embed = Embedding(args.vocab_size, args.hidden_size, dtype)
         self.layers = nn.ModuleList(
@@ -141,6 +149,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(DeepseekV4MTPLayer(args, kind, LayerKV((0, args.num_layers + i)), dtype, ops,
                                                     native_experts)
                                  for i, kind in enumerate(args.mtp_layer_types))
+        self.dspark: DSparkDrafter | None = None
+        if args.dspark is not None:  # its stages are the checkpoint's mtp.<s>
+            stages = args.dspark.num_stages
+            self.mtp = nn.ModuleList(DSparkStage(args, s, LayerKV((0, args.num_layers + s)), dtype, ops, native_experts)
+                                     for s in range(stages))
+            self.dspark = DSparkDrafter(args, self.mtp, [(0, args.num_layers + s) for s in range(stages)])
+            self._dspark_targets = frozenset(args.dspark.target_layer_ids)
         self.rope = V4Rope(args)
 
     def kernel_choices(self) -> list[dict[str, Any]]:
@@ -174,6 +189,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         specs = deepseek_v4_kv_specs(self.args, block_size, dtype)
         if self.drafts_with_mtp:  # the MTP layers' windows: the layers after the model's in ``swa``
             specs[0] = dataclasses.replace(specs[0], num_layers=specs[0].num_layers + len(self.mtp))
+        if self.drafts_with_dspark:
+            # The DSpark stages' context entries: the layers after the model's in ``swa``. A block
+            # at P reads P - window .. P - 1, one position more than the target's window keeps.
+            assert self.dspark is not None
+            specs[0] = dataclasses.replace(specs[0], num_layers=specs[0].num_layers + len(self.mtp),
+                                           sliding_window=self.args.sliding_window + 1)
         return specs
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -182,8 +203,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         finishes them)."""
         a = self.args
         x = self.embed(input_ids).unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()  # [T, hc, H]
-        for layer in self.layers:
+        captured = []
+        for i, layer in enumerate(self.layers):
             x = layer(x, input_ids, ctx, self.rope)
+            if self.drafts_with_dspark and self.dspark is not None and i in self._dspark_targets:
+                captured.append(x.mean(1))  # the DSpark capture: the streams' plain mean
+        if captured:
+            assert self.dspark is not None
+            self.dspark.write_context(torch.cat(captured, -1), ctx, self.rope)
         if self.drafts_with_mtp:
             return x.flatten(1)
         return self.final_hidden(x)
@@ -226,12 +253,13 @@ def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]
     if CSA in DeepseekV4Args.from_hf(config).layer_types:
         components.append(("v4_indexer", "v4_indexer", "bf16", "main"))
     components.append(("moe", "moe", expert_kernel_format(config, "main"), "main"))
-    if int(config.get("num_nextn_predict_layers") or 0) > 0:
+    args = DeepseekV4Args.from_hf(config)
+    if args.mtp_layer_types or args.dspark is not None:  # MTP layers or DSpark stages: both under mtp.*
         components.append(("mtp.moe", "moe", expert_kernel_format(config, "draft"), "draft"))
     return components
 
 
 def build_deepseek_v4(config: dict[str, Any], dtype: torch.dtype, ops: Ops = REFERENCE_OPS,
-                      mtp: bool = False) -> DeepseekV4ForCausalLM:
+                      mtp: bool = False, dspark: bool = False) -> DeepseekV4ForCausalLM:
     QuantScheme.from_config(config)  # an unknown quantization format fails before any allocation
-    return DeepseekV4ForCausalLM(DeepseekV4Args.from_hf(config), dtype, ops, mtp=mtp)
+    return DeepseekV4ForCausalLM(DeepseekV4Args.from_hf(config), dtype, ops, mtp=mtp, dspark=dspark)

@@ -53,6 +53,21 @@ class RopeArgs:
 
 
 @dataclass(frozen=True)
+class DSparkArgs:
+    """The DSpark drafter of DeepSeek-V4-Flash-0731 / V4.1-Flash (``dspark_*`` config keys;
+    cluster/models/deepseek_v4_dspark.py): ``num_stages`` draft layers under ``mtp.0..``, fed by
+    the mean of the target's hyper-connection streams after each of ``target_layer_ids``, drafting
+    ``block_size`` tokens per block (the newest token, then ``noise_token_id`` rows) through a
+    Markov head of rank ``markov_rank``."""
+
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int
+    noise_token_id: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
 class DeepseekV4Args:
     vocab_size: int
     hidden_size: int
@@ -90,6 +105,8 @@ class DeepseekV4Args:
     tie_word_embeddings: bool
     #: The MTP (next-n) layers' attention types; their weights are loaded and kept.
     mtp_layer_types: tuple[str, ...]
+    #: A DSpark drafter in place of MTP layers (its stages live under ``mtp.*``), or None.
+    dspark: DSparkArgs | None = None
 
     def ratio(self, layer_type: str) -> int:
         return {SLIDING: 0, CSA: self.csa_ratio, HCA: self.hca_ratio}[layer_type]
@@ -122,7 +139,8 @@ def _parse(config: dict[str, Any]) -> DeepseekV4Args:
         raise UnsupportedArchitectureError(f"scoring_func {scoring!r} is not supported ({', '.join(SCORING_FUNCS)})")
     rates = _compress_rates(config)
     all_types = _layer_types(config, rates, n)
-    n_mtp = int(config.get("num_nextn_predict_layers", 0) or 0)
+    dspark = _dspark(config, all_types, n)
+    n_mtp = 0 if dspark is not None else int(config.get("num_nextn_predict_layers", 0) or 0)
     mtp_types = tuple(all_types[n:n + n_mtp]) + (SLIDING,) * max(0, n_mtp - len(all_types[n:]))
     partial = config.get("partial_rotary_factor")
     if partial is None:
@@ -163,7 +181,36 @@ def _parse(config: dict[str, Any]) -> DeepseekV4Args:
         max_position_embeddings=int(config.get("max_position_embeddings", 1048576)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         mtp_layer_types=mtp_types,
+        dspark=dspark,
     )
+
+
+def _dspark(config: dict[str, Any], all_types: list[str], n: int) -> DSparkArgs | None:
+    """The DSpark drafter's settings, or None (no ``dspark_block_size``). Its stage count is not
+    ``num_nextn_predict_layers`` (the released 0731 config says 1 for 3 stages): it is
+    ``n_mtp_layers`` where given (DeepSeek's inference config), else the attention types listed
+    past the model's layers (``compress_ratios`` has one entry per stage), else one stage per
+    target layer; the loader checks it against the checkpoint's ``mtp.<i>`` prefixes."""
+    block = int(config.get("dspark_block_size") or 0)
+    if block <= 0:
+        return None
+    targets = tuple(int(t) for t in config.get("dspark_target_layer_ids") or ())
+    if not targets or any(not 0 <= t < n for t in targets):
+        raise UnsupportedArchitectureError(
+            f"dspark_target_layer_ids must list layers of the model (0..{n - 1}), got {list(targets)}")
+    for key in ("dspark_markov_rank", "dspark_noise_token_id"):
+        if config.get(key) is None:
+            raise UnsupportedArchitectureError(f"a DSpark config (dspark_block_size={block}) needs {key}")
+    vocab = int(config.get("vocab_size", 129280))
+    noise = int(config["dspark_noise_token_id"])
+    if not 0 <= noise < vocab:
+        raise UnsupportedArchitectureError(f"dspark_noise_token_id {noise} is outside the vocabulary ({vocab})")
+    stages = int(config.get("n_mtp_layers") or 0) or (len(all_types) - n) or len(targets)
+    if any(t != SLIDING for t in all_types[n:n + stages]):
+        raise UnsupportedArchitectureError(
+            f"DSpark stages attend a sliding window only (compress ratio 0); the config gives them "
+            f"{list(all_types[n:n + stages])}")
+    return DSparkArgs(block, targets, int(config["dspark_markov_rank"]), noise, stages)
 
 
 def _compress_rates(config: dict[str, Any]) -> dict[str, int]:

@@ -24,6 +24,10 @@ class MTPDrafter:
         if not target.drafts_with_mtp:
             raise UnsupportedSettingError("the model was not built to draft with its MTP layers (mtp=True)",
                                           param="speculative_method")
+        if target.args.dspark is not None:
+            raise UnsupportedSettingError(
+                "this checkpoint ships a DSpark drafter under mtp.* (dspark_* config keys), not an MTP layer: use "
+                "speculative_method='dspark'", param="speculative_method")
         if len(target.mtp) <= index:
             raise UnsupportedSettingError(
                 "speculative_method='mtp' needs the checkpoint's MTP layer (mtp.0.*); this checkpoint has none",

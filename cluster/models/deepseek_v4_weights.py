@@ -174,6 +174,8 @@ class _Loader:
             if mtp is not None and len(mtp):
                 logger.info("checkpoint has no MTP weights: the model loads without its MTP layer(s)")
                 model.mtp = nn.ModuleList()  # type: ignore[assignment]
+                if getattr(model, "dspark", None) is not None:  # nor its DSpark stages
+                    model.dspark = None
             expected = {name for name in expected if not name.startswith("mtp.")}
         missing = sorted(expected - self.loaded)
         if missing:

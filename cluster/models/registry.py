@@ -124,13 +124,14 @@ def load_tokenizer(model: str) -> tuple[Tokenizer | None, dict[str, Any]]:
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype,
                kernel_overrides: dict[str, str] | None = None, *, load_format: str = "auto",
-               seed: int = 0, keep_quantized: bool = False, mtp: bool = False) -> LoadedModel:
+               seed: int = 0, keep_quantized: bool = False, mtp: bool = False, dspark: bool = False) -> LoadedModel:
     """Load a model onto ``device``, with the kernels ``kernels.dispatch`` chooses for it there
     (``kernel_overrides``: attention_backend, moe_backend, draft_moe_backend). ``load_format=
     "dummy"``: random weights (:mod:`cluster.models.dummy`) instead of the checkpoint's.
     ``keep_quantized``: on a CPU, a GGUF file's quantized projections stay quantized
     (:mod:`cluster.models.cpu_quant`); elsewhere it changes nothing. ``mtp``: the model drafts
-    with its MTP layers (families that have them; refused for the others)."""
+    with its MTP layers (families that have them; refused for the others); ``dspark``: with its
+    DSpark drafter (DeepSeek-V4 checkpoints that ship one)."""
     path = resolve_model_path(model)
     dummy = load_format == "dummy"
     checkpoint = None
@@ -150,12 +151,13 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
         raise ModelLoadError(f"model path {path!r} is neither a directory nor a .gguf file", param="model")
     architecture = architecture_of(config)
     family = BUILDERS[architecture]
-    if mtp and not family.drafts_with_mtp:
-        raise UnsupportedSettingError(f"speculative_method='mtp' drafts with a model's MTP layers (DeepSeek-V4); "
-                                      f"{architecture} has none", param="speculative_method")
+    if (mtp or dspark) and not family.drafts_with_mtp:
+        method = "mtp" if mtp else "dspark"
+        raise UnsupportedSettingError(f"speculative_method={method!r} drafts with a model's own draft layers "
+                                      f"(DeepSeek-V4); {architecture} has none", param="speculative_method")
     ops = resolve_ops(family.components(config), device, **(kernel_overrides or {}))
     with torch.device(device):
-        net = family.build(config, dtype, ops, **({"mtp": True} if mtp else {}))
+        net = family.build(config, dtype, ops, **({"mtp": True} if mtp else {}), **({"dspark": True} if dspark else {}))
     desc = f"Loading {os.path.basename(path.rstrip('/'))}"
     if dummy:
         from cluster.models.dummy import init_dummy_weights
