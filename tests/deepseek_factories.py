@@ -142,7 +142,7 @@ def edit_config(path: str, edit: Any) -> None:
 
 
 _EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
-_MATRIX = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|e_proj|h_proj)"
+_MATRIX = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|e_proj|h_proj|main_proj)"
                      r"\.weight$")
 
 

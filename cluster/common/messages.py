@@ -59,9 +59,10 @@ class PrefillResult:
     #: The first tokens (and logprobs) of the request's samples 1..n-1, drawn from the same
     #: prompt logits as ``first_token``, each with its own seed: the decode worker forks them.
     others: list[tuple[int, PositionLogprobs | None]] = field(default_factory=list)
-    #: speculative_method=draft_head: the target's hidden state at the prompt's last position
-    #: (float32 bytes), from which the decode worker's draft head starts (its KV for the prompt
-    #: travels with the blocks).
+    #: The drafter's hand-over (its KV for the prompt travels with the blocks): draft_head / mtp,
+    #: the target's hidden state at the prompt's last position (float32 bytes) the decode
+    #: worker's drafter starts from; dspark, the layout descriptor and checksum of the drafter's
+    #: entries that the decode worker checks before drafting (JSON bytes).
     draft_hidden: bytes | None = None
 
 

@@ -31,7 +31,7 @@ their non-RoPE features through FP8).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -151,10 +151,10 @@ class DSparkDrafter:
     def write_context(self, captured: torch.Tensor, ctx: ForwardContext, rope: V4Rope) -> None:
         """The target's captured features ``[T, len(targets) * hidden]`` at ``ctx.positions`` ->
         every stage's context entries, written at the rows' slots."""
-        first = self.stages[0]
+        first = cast(DSparkStage, self.stages[0])
         main_x = first.main_norm(first.main_proj(captured))
         cos, sin = rope.cos_sin("main", ctx.positions)
-        for stage, (group, layer) in zip(self.stages, self.layers):
+        for stage, (group, layer) in zip(cast(list[DSparkStage], self.stages), self.layers):
             cache = ctx.kv_caches[group][:, layer]  # [num_blocks, block_size, head_dim]
             slots = ctx.slot_mappings[group]
             assert slots is not None
@@ -195,7 +195,7 @@ class DSparkDrafter:
         x = embed(ids).unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
         for stage, context in zip(self.stages, contexts):
             x = stage(x, ids, context, valid, cos, sin)
-        last = self.stages[-1]
+        last = cast(DSparkStage, self.stages[-1])
         g = hc_head(x, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, a.hc_eps, a.rms_norm_eps)
         base = head_logits(last.norm(g)).view(n, width, -1)  # [N, B, V] float32
         g = g.view(n, width, -1)

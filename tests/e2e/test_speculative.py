@@ -182,3 +182,50 @@ def test_deepseek_v4_mtp_serving_equals_offline_without_speculation(cluster, v4_
         usage = cluster.wait_for_metric("cluster:kv_cache_usage_perc", lambda v: bool(v) and max(v) == 0.0,
                                         timeout=30.0, role=role)
         assert usage and max(usage) == 0.0, (role, usage)
+
+
+@pytest.fixture(scope="module")
+def v4_dspark_dir(tmp_path_factory):
+    """A small random DeepSeek-V4 (CSA and HCA layers) with a DSpark drafter (3 stages, blocks of 5)."""
+    from tests.deepseek_factories import add_dspark, make_v4_checkpoint
+    from tests.factories import save_tokenizer
+    path = str(tmp_path_factory.mktemp("e2e-v4-dspark"))
+    hf = make_v4_checkpoint(path, "csa_hca")
+    add_dspark(path, hf.config.to_dict(), [1, 2, 3])
+    save_tokenizer(path, vocab_size=256)
+    return path
+
+
+@pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
+def test_deepseek_v4_dspark_serving_equals_offline_without_speculation(cluster, v4_dspark_dir, layout):
+    """DeepSeek-V4 drafting blocks with its DSpark drafter: completions with prompt lists, n = 2
+    greedy and n = 3 seeded, streamed and not, equal to offline generation without speculation;
+    disaggregated, every decode request drafts from the entries the prefill replica wrote, after
+    checking the hand-over, and decode computes none of the prompt."""
+    llm = LLM(v4_dspark_dir, block_size=16)
+
+    def offline(n, **sampling):
+        params = SamplingParams(n=n, max_tokens=MAX_TOKENS, ignore_eos=True, **sampling)
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)]
+    settings = {"model": v4_dspark_dir, "kv_transfer": "ipc", "speculative_method": "dspark",
+                "num_speculative_tokens": 5, "remote_kv_grace_s": 0.5}
+    if layout == "colocated":
+        settings["prefill_replicas"] = 0
+    cluster.deploy(settings)
+    model = model_name(v4_dspark_dir)
+    for stream in (False, True):
+        assert asyncio.run(_completions(cluster, model, 2, stream, temperature=0.0)) == offline(2, temperature=0.0)
+        assert asyncio.run(_completions(cluster, model, 3, stream, **SEEDED)) == offline(3, **SEEDED)
+    blocks = cluster.wait_for_metric("cluster:dspark_blocks_total", lambda v: sum(v) > 10, role="decode")
+    assert sum(blocks) > 10
+    rows = str(httpx.get(f"{cluster.base_url}/v1/backends", timeout=10).json())
+    assert "speculative_decoding" in rows and "'dspark'" in rows and "mtp.moe" in rows
+    if layout == "disaggregated":
+        assert cluster.metric("cluster:spec_decode_num_draft_tokens_total", role="prefill") == []
+        checked = cluster.metric("cluster:dspark_handovers_checked_total", role="decode")
+        assert checked and sum(checked) >= len(PROMPTS) * 4, checked
+        assert sum(cluster.metric("cluster:dspark_handover_rejected_total", role="decode")) == 0
+    for role in (("prefill", "decode") if layout == "disaggregated" else ("decode",)):
+        usage = cluster.wait_for_metric("cluster:kv_cache_usage_perc", lambda v: bool(v) and max(v) == 0.0,
+                                        timeout=30.0, role=role)
+        assert usage and max(usage) == 0.0, (role, usage)

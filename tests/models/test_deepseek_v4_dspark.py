@@ -358,3 +358,89 @@ def test_aborts_free_every_block(v4):
     llm = dspark_llm(v4, max_num_batched_tokens=24)
     run_with_aborts(llm.engine, PROMPTS, requests=80)
     assert llm.engine.kv.usage == 0.0 and not llm.engine.runner.drafter.disabled
+
+
+# --- disaggregated ------------------------------------------------------------------------------
+
+
+def run_disaggregated(v4: str, prompts, params, tamper=None):
+    """Generate through a prefill worker and a decode worker (``local`` transfer); ``tamper(blob)``
+    edits each hand-over on its way. Returns (outputs, decode engine, prefill engine, the prompt
+    positions decode computed)."""
+    import asyncio
+    import uuid
+
+    from cluster.common.messages import GenerateRequest
+    from cluster.config import parse_cluster_args
+    from cluster.decode.worker import DecodeWorker
+    from cluster.prefill.worker import PrefillWorker
+    config = parse_cluster_args({"model": v4, "kv_transfer": "local", "block_size": 4, "max_num_batched_tokens": 16,
+                                 "speculative_method": "dspark", "num_speculative_tokens": BLOCK,
+                                 "enable_prefix_caching": False}, use_env=False)
+    prefill = PrefillWorker(config, engine_id=f"p-{uuid.uuid4().hex[:6]}")
+
+    async def prefill_fn(*args, **kwargs):
+        result = await prefill.prefill(*args, **kwargs)
+        if tamper is not None and getattr(result, "draft_hidden", None) is not None:
+            result.draft_hidden = tamper(result.draft_hidden)
+        return result
+    decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=prefill_fn)
+    engine = decode.engine.engine
+    prompt_rows = []
+    execute = engine.runner.execute
+
+    def spy(sched):
+        for s in sched.scheduled:
+            prompt_rows.append(max(0, s.request.num_prompt_tokens - s.num_computed_tokens))
+        return execute(sched)
+    engine.runner.execute = spy
+
+    async def run():
+        async def one(i, p):
+            tokens = []
+            async for out in decode.generate(GenerateRequest(f"r{i}", p, params)):
+                assert not out.error, out.error
+                tokens += out.new_token_ids
+            return tokens
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    try:
+        got = asyncio.run(run())
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+    return got, engine, prefill.engine.engine, prompt_rows
+
+
+def test_prefill_hands_the_drafter_state_to_decode_which_recomputes_nothing(v4):
+    params = greedy(20)
+    got, engine, prefill_engine, prompt_rows = run_disaggregated(v4, PROMPTS, params)
+    assert got == [o.outputs[0].token_ids for o in LLM(v4, block_size=4).generate(PROMPTS, params)]
+    runner = engine.runner.drafter
+    assert runner.num_handovers_checked == len(PROMPTS) and runner.num_handovers_rejected == 0
+    assert sum(prompt_rows) == 0  # decode computed no prompt position: the entries came with the blocks
+    assert engine.spec_stats.num_drafts > 10 and runner.num_blocks > 5
+    assert prefill_engine.spec_stats is None  # prefill replicas never draft
+    assert engine.kv.usage == 0.0
+
+
+@pytest.mark.parametrize("tamper", ["checksum", "layout", "missing"])
+def test_a_hand_over_that_does_not_match_turns_drafting_off_loudly_and_output_stays_exact(v4, tamper, caplog):
+    import json
+
+    def edit(blob):
+        if tamper == "missing":
+            return None
+        d = json.loads(blob)
+        if tamper == "checksum":
+            d["crc32"] ^= 1
+        else:
+            d["window"] += 1
+        return json.dumps(d).encode()
+    params = greedy(12)
+    got, engine, _, _ = run_disaggregated(v4, PROMPTS[:3], params, tamper=edit)
+    assert got == [o.outputs[0].token_ids for o in LLM(v4, block_size=4).generate(PROMPTS[:3], params)]
+    runner = engine.runner.drafter
+    assert runner.num_handovers_rejected == 3 and runner.num_blocks == 0  # nothing drafted from unchecked state
+    words = {"checksum": "checksum", "layout": "window", "missing": "no DSpark state"}[tamper]
+    assert any("hand-over" in r.message and words in r.message for r in caplog.records)
+    assert engine.kv.usage == 0.0 and not runner.disabled
