@@ -19,11 +19,11 @@ The model is fluid, in ticks of ``dt`` seconds (vectorised over requests with nu
   our decode worker reserves before any prefill is spent; otherwise the request waits;
 - routing: decode replica with the most free KV, prefill replica with the least queued tokens.
 
-Calibration: two constants are fitted on the single-GPU serving run (``serve-h200-*.json``,
-disaggregated, 4 req/s): the prefill rate (its TTFT p50) and the host cost per decode step (its
-ITL p50); everything else comes from the model's shapes and the measured bandwidths
-(``--fit-per-seq`` also fits a host cost per running sequence on the 8 req/s ITL). ``--validate``
-then predicts every other row of that run (8 req/s, colocated) and reports the residuals.
+Calibration (``bench/simulate_validation.py``): the prefill rate comes from the engine's
+throughput row; four host constants are fitted on the disaggregated rows of one single-GPU
+serving run (``serve-h200-*.json``): per decode step, fixed and per running sequence (host and GPU
+overlap, a step takes the longer), and a first token's host path (fixed, plus turns of the decode
+loop). Every other row, and the other runs, are predicted and the residuals reported.
 
     python bench/simulate.py --validate --out bench/results/simulate-validation.json
     python bench/simulate.py --compare --gpus 8,64,512 --out bench/results/simulate-planner.json
@@ -48,7 +48,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
-from cluster.router.planner import Observation, PlannerSettings, PlannerState, RoleLoad, plan  # noqa: E402
+from cluster.router.planner import Demand, Observation, PlannerSettings, PlannerState, RoleLoad, plan  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 #: Qwen3-8B: per layer q/o 4096x4096, k/v 4096x1024, MLP 3 x 4096 x 12288 (bf16).
@@ -76,9 +76,17 @@ class Costs:
     #: engine decode efficiency (fraction of the roofline) at batch 1 and 32 (engine-h200-*.json)
     eff_b1: float = 0.887
     eff_b32: float = 0.816
+    #: Host time per decode step: a fixed part and one per running sequence (each sequence's new
+    #: token is a StepOutput yielded through a Ray streaming call to the ingress). Decode is
+    #: pipelined, so host and GPU work overlap and a step takes the longer of the two.
     step_overhead_s: float = 0.0005
-    #: Host cost per running sequence per step (stop checks, detokenization, streaming out).
     step_per_seq_s: float = 0.0
+    host_overlaps_gpu: bool = True
+    #: Host time on a first token's path besides prefill and transfer: a fixed part (the
+    #: ingress -> decode -> prefill -> decode -> ingress hops) and turns of the decode replica's
+    #: loop (admission, the prefill's reply, the first token's yield), each as long as its step.
+    ttft_fixed_s: float = 0.0
+    first_token_steps: float = 0.0
     prefill_flops_s: float = 3e14
     prefill_overhead_s: float = 0.002
     transfer_bw: float = 1.0e12
@@ -105,9 +113,21 @@ class Costs:
         x = np.clip(np.log2(np.maximum(batch, 1)) / 5.0, 0.0, 1.0)
         return self.eff_b1 + (self.eff_b32 - self.eff_b1) * x
 
-    def decode_step(self, batch: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
+    def decode_parts(self, batch: np.ndarray, context_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A decode step's GPU time and host time, seconds."""
         moved = self.weight_bytes + self.kv_bytes_per_token * context_tokens
-        return self.step_overhead_s + self.step_per_seq_s * batch + moved / (self.bandwidth * self.efficiency(batch))
+        gpu = moved / (self.bandwidth * self.efficiency(batch))
+        return gpu, self.step_overhead_s + self.step_per_seq_s * batch
+
+    def combine(self, gpu: np.ndarray, host: np.ndarray) -> np.ndarray:
+        return np.maximum(gpu, host) if self.host_overlaps_gpu else gpu + host
+
+    def decode_step(self, batch: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
+        return self.combine(*self.decode_parts(batch, context_tokens))
+
+    def first_token_delay(self, step: float) -> float:
+        """Host time between a prompt's KV landing and its first token reaching the client."""
+        return self.ttft_fixed_s + self.first_token_steps * step
 
     def prefill_seconds(self, tokens: float, context: float) -> float:
         return tokens * self.flops_per_token(context) / self.prefill_flops_s
@@ -126,8 +146,22 @@ class Costs:
                 eff_b1=rows["decode-b1"]["pct_of_roofline"] / 100, eff_b32=rows["decode-b32"]["pct_of_roofline"] / 100,
                 transfer_bw=sizes[largest]["gb_s"] * 1e9,
                 transfer_fixed_s=sizes[min(sizes, key=int)]["send_ms"] / 1e3 / 2)
-        c.sources = {"engine": engine["_file"], "transfer": transfer["_file"]}
+        # the engine run's model has its own depth (Qwen3-8B's 36 layers): price its steps with it
+        c.prefill_flops_s = dataclasses.replace(c, layers=int(engine["config"]["num_hidden_layers"]))._prefill_rate(rows)
+        c.sources = {"engine": engine["_file"], "transfer": transfer["_file"],
+                     "prefill_flops_s": "engine throughput row less its decode steps at this cost model's price"}
         return c
+
+    def _prefill_rate(self, rows: dict[str, Any]) -> float:
+        """Useful prefill FLOP/s of the engine alone (``throughput-<n>x<prompt>+<new>``: n prompts
+        prefilled, then ``new`` decode steps of the whole batch, which the GPU cost prices)."""
+        name = next(k for k in rows if k.startswith("throughput-"))
+        n, rest = name.split("-", 1)[1].split("x")
+        prompt, new = (int(x) for x in rest.split("+"))
+        n = int(n)
+        gpu, _ = self.decode_parts(np.array([float(n)]), np.array([n * (prompt + new / 2)]))
+        prefill_s = rows[name]["wall_s"] - new * float(gpu[0])
+        return n * prompt * self.flops_per_token(prompt) / prefill_s
 
 
 # --- workloads -------------------------------------------------------------------------------------
@@ -208,9 +242,15 @@ class Simulation:
             self.replicas.append(Replica("prefill", 0.0))
         self.waiting: deque[int] = deque()
         self.itl_hist = np.zeros(400)  # ITL histogram, log bins from 0.1 ms to 10 s
-        self.recent: deque[tuple[float, float, float, float]] = deque()  # (t, ttft, itl, queue)
+        # what the replicas report (cluster.decode.server: TTFT at each first token, ITL per step):
+        # (t, ttft, prefill queue) per first token and (t, the worst replica's step) per tick
+        self.recent: deque[tuple[float, float, float]] = deque()
+        self.recent_itl: deque[tuple[float, float]] = deque()
         self.timeline: list[dict[str, Any]] = []
         self.planner_state = PlannerState()
+        #: Each replica's latest decode step (s) and the share of it its GPU was busy.
+        self.last_step = np.full(len(self.replicas), self.c.step_overhead_s)
+        self.decode_gpu_share = 0.0
 
     # --- helpers ---
     def _ready(self, role: str, now: float) -> list[int]:
@@ -268,12 +308,9 @@ class Simulation:
             rep.queued_tokens -= left
             rep.head_done = 0.0
             done_at = now + used
-            if self.colocated:
-                self.first_token[rid] = done_at
-                self.ready[rid] = done_at
-            else:
-                self.first_token[rid] = done_at + self.c.transfer_seconds(prompt)
-                self.ready[rid] = self.first_token[rid]
+            landed = done_at if self.colocated else done_at + self.c.transfer_seconds(prompt)
+            self.first_token[rid] = landed + self.c.first_token_delay(float(self.last_step[self.decode_of[rid]]))
+            self.ready[rid] = self.first_token[rid]
             self.state[rid] = TRANSFER
             self.generated[rid] = 1.0
         return used
@@ -286,29 +323,47 @@ class Simulation:
             self.waiting.append(int(rid))
         self._admit(now)
         # prefill work (prefill replicas, or the prefill part of colocated ones)
+        if len(self.last_step) < len(self.replicas):
+            self.last_step = np.pad(self.last_step, (0, len(self.replicas) - len(self.last_step)),
+                                    constant_values=self.c.step_overhead_s)
         prefill_time = np.zeros(len(self.replicas))
         for i, rep in enumerate(self.replicas):
             if rep.role == "prefill" and rep.queue:
-                share = 0.5 if self.shared_gpu else 1.0
+                # one GPU time-sliced between the two replicas: prefill gets what decode leaves, at least half
+                share = max(0.5, 1.0 - self.decode_gpu_share) if self.shared_gpu else 1.0
                 prefill_time[i] = self._prefill(rep, dt * share, now)
         moved = (self.state == TRANSFER) & (self.ready <= now + dt)
         self.state[moved] = DECODE
+        for rid in np.flatnonzero(moved):
+            # the prefill queue as the prefill worker measures it: its own, not the wait for decode room
+            self.recent.append((now, float(self.first_token[rid] - self.r["arrival"][rid]),
+                                float(self.prefill_start[rid] - self.enqueued[rid])))
         active = np.flatnonzero(self.state == DECODE)
         reps = self.decode_of[active]
         n = len(self.replicas)
         batch = np.bincount(reps, minlength=n).astype(float)
         ctx = np.bincount(reps, weights=self.r["prompt"][active] + self.generated[active], minlength=n)
-        step = np.where(batch > 0, self.c.decode_step(batch, ctx), self.c.step_overhead_s)
+        gpu, host = self.c.decode_parts(batch, ctx)
+        if self.shared_gpu:  # the decode replica's GPU work waits for the prefill's time slices
+            gpu = gpu / (1.0 - min(0.5, prefill_time.sum() / dt))
+        step = np.where(batch > 0, self.c.combine(gpu, host), self.c.step_overhead_s)
+        # the decode loop's turns (a first token's path) last a decode step, not a prefill chunk's
+        self.last_step = np.where(batch > 0, step, self.last_step)
         if self.colocated:  # each step also carries a prefill chunk filling the token budget
             for i, rep in enumerate(self.replicas):
                 if rep.queue and rep.role == "colocated":
-                    chunk = min(max(0.0, self.c.max_batched_tokens - batch[i]), rep.queued_tokens)
+                    # the step's chunk as it was when the step began (head_done: computed within it)
+                    chunk = min(max(0.0, self.c.max_batched_tokens - batch[i]), rep.queued_tokens + rep.head_done)
                     chunk_s = self.c.prefill_seconds(chunk, float(self.r["prompt"][rep.queue[0]]))
-                    self._prefill(rep, dt / (step[i] + chunk_s) * chunk_s, now)
-                    step[i] += chunk_s
+                    with_chunk = float(self.c.combine(gpu[i] * (batch[i] > 0) + chunk_s, host[i]))
+                    self._prefill(rep, dt / with_chunk * chunk_s, now)
+                    step[i] = with_chunk
+        busy = batch > 0
+        if busy.any():
+            self.recent_itl.append((now, float(step[busy].max())))
+        self.decode_gpu_share = float(np.max(gpu[busy] / step[busy])) if self.shared_gpu and busy.any() else 0.0
         if active.size:
-            budget = dt - np.minimum(prefill_time, dt / 2) if self.shared_gpu else np.full(n, dt)
-            steps = budget / step
+            steps = dt / step
             gain = steps[reps]
             self.generated[active] += gain
             np.add.at(self.itl_hist, self._itl_bin(step[reps]), gain)
@@ -318,18 +373,15 @@ class Simulation:
                 self.finished[rid] = now + dt * (1 - over)
                 self.state[rid] = DONE
                 self.replicas[self.decode_of[rid]].kv_used -= float(self.r["prompt"][rid] + self.r["output"][rid])
-                ttft = self.first_token[rid] - self.r["arrival"][rid]
-                tpot = (self.finished[rid] - self.first_token[rid]) / max(1, self.r["output"][rid] - 1)
-                # as the prefill worker measures it: its own queue, not the wait for decode room
-                queue = self.prefill_start[rid] - self.enqueued[rid]
-                self.recent.append((now, ttft, tpot, queue))
 
     # --- the planner loop ---
     def observe(self, now: float, window: float = 30.0) -> Observation:
-        while self.recent and self.recent[0][0] < now - window:
-            self.recent.popleft()
-        vals = np.array([x[1:] for x in self.recent]) if self.recent else np.zeros((0, 3))
-        p90 = np.percentile(vals, 90, axis=0) if len(vals) else np.zeros(3)
+        for q in (self.recent, self.recent_itl):
+            while q and q[0][0] < now - window:
+                q.popleft()
+        firsts = np.array([x[1:] for x in self.recent]) if self.recent else np.zeros((0, 2))
+        ttft_p90, queue_p90 = np.percentile(firsts, 90, axis=0) if len(firsts) else (0.0, 0.0)
+        itl_p90 = float(np.percentile([x[1] for x in self.recent_itl], 90)) if self.recent_itl else 0.0
         dec = [x for x in self.replicas if x.role == "decode" and not x.draining]
         pre = [x for x in self.replicas if x.role == "prefill" and not x.draining]
         ready_d = [x for x in dec if x.ready_at <= now]
@@ -338,8 +390,18 @@ class Simulation:
         decode = RoleLoad(len(dec), len(ready_d), bool(ready_d), len(self.waiting) / max(1, len(ready_d)), kv)
         waiting_p = sum(len(x.queue) for x in ready_p) / max(1, len(ready_p))
         prefill = RoleLoad(len(pre), len(ready_p), bool(ready_p), waiting_p, 0.0)
-        return Observation(decode=decode, prefill=prefill, ttft_s=float(p90[0]), itl_s=float(p90[1]),
-                           prefill_queue_s=float(p90[2]))
+        return Observation(decode=decode, prefill=prefill, ttft_s=float(ttft_p90), itl_s=itl_p90,
+                           prefill_queue_s=float(queue_p90), demand=self.demand(now, window))
+
+    def demand(self, now: float, window: float) -> Demand | None:
+        """Arrivals over the window: rate, mean prompt and mean output tokens."""
+        a = self.r["arrival"]
+        seen = (a > now - window) & (a <= now)
+        if not seen.any():
+            return None
+        # output: the arrivals' max_tokens as the router reads them (here each request's own length)
+        return Demand(float(seen.sum()) / min(window, now), float(self.r["prompt"][seen].mean()),
+                      float(self.r["output"][seen].mean()))
 
     def apply(self, want: dict[str, int], now: float) -> None:
         """Serve's side of a decision: new replicas start once a GPU is free (then serve after
@@ -433,77 +495,31 @@ def serve_run_requests(cfg: dict[str, Any], rate: float, seed: int = 1) -> dict[
             "output": lengths(cfg["output_len"], cfg["output_len_range"]), "phase": np.zeros(n, dtype=int)}
 
 
-def validate(args: argparse.Namespace) -> dict[str, Any]:
-    """Fit the prefill rate and the per-step host cost on the disaggregated 4 req/s row of the
-    single-GPU serving run, then predict its other rows."""
-    serve = latest("serve-h200-*.json")
-    layers = int(serve["workload"]["layers"])
-    base = Costs.from_results(layers=layers)
-    base.kv_tokens = serve["workload"]["kv_bytes"] / base.kv_bytes_per_token
-    base.max_batched_tokens = int(serve["modes"]["disagg"]["settings"]["max_num_batched_tokens"])
-    base.max_num_seqs = int(serve["modes"]["disagg"]["settings"]["max_num_seqs"])
-    runs = {(mode, float(rate)): r for mode in ("disagg", "colocated")
-            for rate, r in serve["modes"][mode]["runs"].items()}
-    targets = (serve["workload"]["ttft_target_s"], serve["workload"]["itl_target_s"])
-
-    def simulate(costs: Costs, mode: str, rate: float, seed: int) -> dict[str, Any]:
-        cfg = runs[(mode, rate)]["config"]
-        reqs = serve_run_requests(cfg, rate, seed)
-        sim = Simulation(costs, reqs, prefill=1, decode=1, colocated=mode == "colocated", dt=0.002,
-                         ttft_target=targets[0], itl_target=targets[1], shared_gpu=mode == "disagg", gpus=1)
-        return sim.run()
-
-    def averaged(costs: Costs, mode: str, rate: float) -> dict[str, float]:
-        outs = [simulate(costs, mode, rate, seed) for seed in range(args.seeds)]
-        keys = ("ttft_p50", "ttft_p90", "itl_p50", "tpot_p50", "goodput_fraction")
-        return {k: float(np.median([o[k] for o in outs])) for k in keys}
-
-    def fit(attr: str, low: float, high: float, rate: float, metric: str, increasing: bool) -> None:
-        measured = runs[("disagg", rate)]
-        want = measured["ttft_s" if metric.startswith("ttft") else "itl_s"]["p50"]
-        for _ in range(args.fit_iters):
-            mid = math.sqrt(low * high)
-            setattr(base, attr, mid)
-            got = averaged(base, "disagg", rate)[metric]
-            if (got > want) == increasing:
-                high = mid
-            else:
-                low = mid
-        setattr(base, attr, math.sqrt(low * high))
-    fit("step_overhead_s", 1e-5, 2e-2, 4.0, "itl_p50", True)
-    if args.fit_per_seq:  # tried: it fits 8 req/s ITL only by missing 4 req/s ITL by +60%
-        fit("step_per_seq_s", 1e-7, 1e-2, 8.0, "itl_p50", True)
-        fit("step_overhead_s", 1e-5, 2e-2, 4.0, "itl_p50", True)
-    fit("prefill_flops_s", 1e12, 2e15, 4.0, "ttft_p50", False)
-    rows = {}
-    for (mode, rate), measured in sorted(runs.items()):
-        sim = averaged(base, mode, rate)
-        meas = {"ttft_p50": measured["ttft_s"]["p50"], "ttft_p90": measured["ttft_s"]["p90"],
-                "itl_p50": measured["itl_s"]["p50"], "tpot_p50": measured["tpot_s"]["p50"],
-                "goodput_fraction": measured["goodput_fraction"]}
-        rows[f"{mode}-rate{rate:g}"] = {
-            "fitted_on_this_row": {("disagg", 4.0): "itl_p50 (host cost per step), ttft_p50 (prefill rate)",
-                                   ("disagg", 8.0): "itl_p50 (host cost per sequence)" if args.fit_per_seq else None,
-                                   }.get((mode, rate)),
-            "simulated": sim, "measured": meas,
-            "residual": {k: (sim[k] - meas[k]) / meas[k] if meas[k] else None for k in meas}}
-    return {"benchmark": "simulator-validation", "environment": environment(), "anchor_file": serve["_file"],
-            "fitted": {"step_overhead_s": base.step_overhead_s, "step_per_seq_s": base.step_per_seq_s,
-                       "prefill_flops_s": base.prefill_flops_s},
-            "costs": dataclasses.asdict(base), "rows": rows,
-            "note": "one GPU shared by the prefill and decode replicas in the disaggregated rows (num_gpus 0.5 "
-                    "each): modelled as halving each one's time while both are busy"}
-
-
-def capacity_rate(costs: Costs, mix: str, gpus: int, load: float) -> float:
-    """Requests per second that load ``gpus`` to ``load``: GPU-seconds a request costs in
-    prefill and in decode at a batch of 64."""
+def capacity_rate(costs: Costs, mix: str, gpus: int, load: float, ttft: float, itl: float) -> float:
+    """Requests per second that load ``gpus`` to ``load``: GPU-seconds a request costs in prefill
+    and in decode at the profiled decode rate (the batch that meets both latency targets)."""
     prompt, out = MIXES[mix]
     prefill = costs.prefill_seconds(prompt, prompt) + costs.prefill_overhead_s
-    batch = 64
-    step = float(costs.decode_step(np.array([batch]), np.array([batch * (prompt + out / 2)]))[0])
-    decode = out * step / batch
+    decode = out / profile(costs, itl, ttft, prompt, out).decode_tokens_per_s
     return load * gpus / (prefill + decode)
+
+
+def profile(costs: Costs, itl_target: float, ttft_target: float, prompt: int = 2048,
+            output: int = 256) -> PlannerSettings:
+    """The planner's per-replica capacities as an offline profile gives them (Dynamo's profiler, in
+    the cost model): prefill tokens per second at ``prompt`` tokens; decode tokens per second at
+    the largest batch whose step meets the ITL target and leaves half the TTFT target to prefill
+    (a first token waits ``first_token_steps`` decode steps); a decode replica's KV tokens."""
+    batch = np.arange(1, costs.max_num_seqs + 1, dtype=float)
+    step = costs.decode_step(batch, batch * (prompt + output / 2))
+    limit = itl_target
+    if costs.first_token_steps > 0:
+        limit = min(limit, max(0.0, ttft_target / 2 - costs.ttft_fixed_s) / costs.first_token_steps)
+    fits = batch[step <= limit]
+    best = float(fits.max()) if len(fits) else 1.0
+    best_step = float(costs.decode_step(np.array([best]), np.array([best * (prompt + output / 2)]))[0])
+    return PlannerSettings(prefill_tokens_per_s=1.0 / costs.prefill_seconds(1.0, prompt),
+                           decode_tokens_per_s=best / best_step, decode_kv_tokens=costs.kv_tokens)
 
 
 def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
@@ -512,15 +528,18 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
                            "by_gpus": {}}
     mixes = args.mixes.split(",")
     for gpus in [int(g) for g in args.gpus.split(",")]:
-        phases = [Phase(args.phase_s, capacity_rate(costs, m, gpus, args.load), m, bursty=(i == 1 and args.bursty))
+        phases = [Phase(args.phase_s, capacity_rate(costs, m, gpus, args.load, args.ttft, args.itl), m, bursty=(i == 1 and args.bursty))
                   for i, m in enumerate(mixes)]
         reqs = make_requests(phases, seed=args.seed)
         dt = args.dt if gpus <= 8 else max(args.dt, 0.05)
         started = time.perf_counter()
         p0 = max(1, gpus // 4)
-        settings = PlannerSettings(target_ttft_s=args.ttft, target_itl_s=args.itl, min_prefill=1, max_prefill=gpus - 1,
-                                   min_decode=1, max_decode=gpus - 1, max_total_replicas=gpus,
-                                   initial_prefill=p0, initial_decode=gpus - p0)
+        settings = dataclasses.replace(
+            profile(costs, args.itl, args.ttft), target_ttft_s=args.ttft, target_itl_s=args.itl, min_prefill=1,
+            max_prefill=gpus - 1, min_decode=1, max_decode=gpus - 1, max_total_replicas=gpus,
+            initial_prefill=p0, initial_decode=gpus - p0)
+        if args.reactive:
+            settings = dataclasses.replace(settings, prefill_tokens_per_s=None, decode_tokens_per_s=None)
         runs: dict[str, Any] = {}
         common = dict(dt=dt, interval_s=args.interval, ttft_target=args.ttft, itl_target=args.itl, gpus=gpus)
         runs["planner"] = Simulation(costs, reqs, prefill=p0, decode=gpus - p0, planner=settings, **common).run()
@@ -629,28 +648,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--interval", type=float, default=10.0)
     parser.add_argument("--dt", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=int, default=3, help="validation: runs per row (median)")
+    parser.add_argument("--seeds", type=int, default=4, help="validation: runs per row (median)")
     parser.add_argument("--fit-iters", type=int, default=10)
-    parser.add_argument("--fit-per-seq", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2, help="validation: fitting rounds")
+    parser.add_argument("--fit-file", default=None, help="validation: the serving run to fit on (default: latest)")
+    parser.add_argument("--reactive", action="store_true", help="the planner without its profile (reactive rules only)")
     parser.add_argument("--calibration", default=None, help="a --validate result whose fitted constants to use")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tiny:
-        args.gpus, args.phase_s, args.seeds, args.fit_iters = "8", 60.0, 1, 6
+        args.gpus, args.phase_s, args.seeds, args.fit_iters, args.rounds = "8", 60.0, 1, 4, 1
     result: dict[str, Any] = {}
     if args.validate or args.tiny:
+        from bench.simulate_validation import validate
         result["validation"] = validate(args)
-        for name, row in result["validation"]["rows"].items():
-            print(name, {k: None if v is None else round(v, 3) for k, v in row["residual"].items()})
     if args.compare or args.tiny:
         costs = Costs.from_results()
         fitted = (result.get("validation") or {}).get("fitted")
         if args.calibration:
             with open(args.calibration) as f:
                 fitted = json.load(f)["validation"]["fitted"]
-        if fitted:  # the fitted prefill rate was measured on the serving run's model: per FLOP, it carries over
-            costs.step_overhead_s, costs.prefill_flops_s = fitted["step_overhead_s"], fitted["prefill_flops_s"]
-            costs.step_per_seq_s = fitted["step_per_seq_s"]
+        if fitted:  # host costs of the serving stack: the same Python per step and per token at any model size
+            costs = dataclasses.replace(costs, **{k: v for k, v in fitted.items() if k != "prefill_flops_s"})
         result["comparison"] = compare(args, costs)
     if args.out:
         write_result(args.out, result)

@@ -89,6 +89,16 @@ class PlannerSettings:
     slack: float = 0.5
     #: ...and gives or sheds replicas only if its pressure over fewer replicas stays under this.
     donor_headroom: float = 0.8
+    #: Profiled capacity of one replica, for predictive sizing (None: reactive rules only): prompt
+    #: tokens per second a prefill replica computes, output tokens per second a decode replica
+    #: generates within the ITL target, and the KV tokens a decode replica holds.
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    decode_kv_tokens: float | None = None
+    #: Predictive sizing aims each role at this share of its profiled capacity...
+    target_utilization: float = 0.8
+    #: ...and moves a role only when the prediction is this share (and at least one replica) away.
+    hysteresis: float = 0.1
 
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
@@ -142,6 +152,16 @@ class RoleLoad:
 
 
 @dataclass(frozen=True)
+class Demand:
+    """What the router saw arrive over the recent window: the inputs of DistServe's and Dynamo's
+    planners. Output length is of recent completions (it is known only at the end)."""
+
+    arrival_rps: float
+    prompt_tokens: float
+    output_tokens: float
+
+
+@dataclass(frozen=True)
 class Observation:
     decode: RoleLoad
     #: None: the application has no prefill role.
@@ -150,6 +170,8 @@ class Observation:
     ttft_s: float = 0.0
     itl_s: float = 0.0
     prefill_queue_s: float = 0.0
+    #: None: no demand measured (the reactive rules alone decide).
+    demand: Demand | None = None
 
     def loads(self) -> dict[Role, RoleLoad]:
         if self.prefill is None:
@@ -219,17 +241,21 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
     pressure = pressures(obs, s)
     want = {role: _clamp(load.replicas, s.bounds(role)) for role, load in loads.items()}
     notes: list[str] = []
+    predicted = predict(obs, s)
+    if predicted is not None:
+        notes += _follow_prediction(want, predicted, loads, pressure, s)
     for role, load in loads.items():
         p = pressure[role]
         cooled = _since(state.last_up(role), now) >= s.upscale_cooldown_s
-        if p is not None and p > 1.0 and not load.starting and cooled:
+        grown = predicted is not None and want[role] > load.replicas  # the prediction already grew it
+        if p is not None and p > 1.0 and not load.starting and cooled and not grown:
             step = max(1, math.ceil(load.replicas * min(p - 1.0, 1.0)))
             want[role] = min(s.bounds(role)[1], max(want[role], load.replicas + step))
     notes += _fit_budget(want, loads, pressure, state, s, now)
     # Nothing shrinks while users see a missed target, even one no role here can act on.
     nothing_over = (all(p is None or p <= 1.0 for p in pressure.values())
                     and obs.ttft_s <= s.target_ttft_s and obs.itl_s <= s.target_itl_s)
-    if (nothing_over and all(want[r] == loads[r].replicas for r in loads)
+    if (predicted is None and nothing_over and all(want[r] == loads[r].replicas for r in loads)
             and _since(state.last_change(), now) >= s.downscale_cooldown_s):
         idle = [r for r in loads if _has_slack(r, loads[r], pressure[r], state, s, now)]
         if idle:
@@ -244,6 +270,66 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
             changes.append(f"{role} {load.replicas}->{want[role]} (pressure {_fmt(pressure[role])})")
     reason = "; ".join(changes + notes) if changes else ""
     return Decision(want, new_state, pressure, reason)
+
+
+def predict(obs: Observation, s: PlannerSettings) -> dict[Role, int] | None:
+    """Replicas each role needs for the measured demand at ``target_utilization`` of its profiled
+    capacity, as DistServe's and Dynamo's planners size them: arrival rate x tokens per request /
+    tokens per second of one replica; decode also by KV (Little's law: requests decoding at once =
+    arrival rate x output tokens x ITL, each holding prompt + output tokens). Over
+    ``max_total_replicas`` the budget is split in proportion to need. None: no demand or profile."""
+    d = obs.demand
+    has_prefill = obs.prefill is not None
+    if d is None or not s.decode_tokens_per_s or (has_prefill and not s.prefill_tokens_per_s):
+        return None
+    u = s.target_utilization
+    need: dict[Role, float] = {"decode": d.arrival_rps * d.output_tokens / (s.decode_tokens_per_s * u)}
+    if s.decode_kv_tokens:
+        itl = min(obs.itl_s, s.target_itl_s) if obs.itl_s > 0 else s.target_itl_s
+        live = d.arrival_rps * d.output_tokens * itl
+        need["decode"] = max(need["decode"], live * (d.prompt_tokens + d.output_tokens) / (s.decode_kv_tokens * u))
+    prefill = d.arrival_rps * d.prompt_tokens / (s.prefill_tokens_per_s * u) if s.prefill_tokens_per_s else 0.0
+    if has_prefill:
+        need["prefill"] = prefill
+    else:  # decode replicas prefill every prompt too
+        need["decode"] += prefill
+    want = {r: _clamp(max(1, math.ceil(n - 1e-9)), s.bounds(r)) for r, n in need.items()}
+    budget = s.max_total_replicas
+    if budget is not None and sum(want.values()) > budget:
+        total = sum(need.values())
+        want = {r: _clamp(math.floor(budget * n / total), s.bounds(r)) for r, n in need.items()}
+        while sum(want.values()) < budget:  # the rest to whoever is furthest below its need
+            r = max(want, key=lambda r: need[r] / max(want[r], 1e-9) if want[r] < s.bounds(r)[1] else -1.0)
+            if want[r] >= s.bounds(r)[1]:
+                break
+            want[r] += 1
+        while sum(want.values()) > budget:  # bounds' floors pushed it over
+            r = max(want, key=lambda r: want[r] - s.bounds(r)[0])
+            want[r] -= 1
+    return want
+
+
+def _follow_prediction(want: dict[Role, int], predicted: dict[Role, int], loads: dict[Role, RoleLoad],
+                       pressure: dict[Role, float | None], s: PlannerSettings) -> list[str]:
+    """Grow each role to its predicted count at once (even while replicas start: the prediction is
+    a count, not a step); shrink it only when the prediction is more than the hysteresis band
+    below, and never while the role misses its target. When one role's growth needs the budget, the other comes down to its
+    prediction whatever the band."""
+    notes = []
+    for role, load in loads.items():
+        target, n = predicted[role], load.replicas
+        band = max(1, math.ceil(s.hysteresis * n))
+        over = (pressure[role] or 0.0) > 1.0
+        if target > n or (target < n - band and not over):
+            want[role] = target
+    budget = s.max_total_replicas
+    if budget is not None and sum(want.values()) > budget:
+        for role in want:
+            if want[role] > predicted[role] and (pressure[role] or 0.0) <= 1.0:
+                want[role] = max(predicted[role], want[role] - (sum(want.values()) - budget))
+    if any(want[r] != loads[r].replicas for r in loads):
+        notes.append("predicted " + ", ".join(f"{r} {predicted[r]}" for r in loads))
+    return notes
 
 
 def _fit_budget(want: dict[Role, int], loads: dict[Role, RoleLoad], pressure: dict[Role, float | None],

@@ -156,6 +156,71 @@ def test_counts_outside_the_bounds_are_brought_back():
     assert counts(decision) == (7, 2)
 
 
+# --- predictive sizing (demand x profiled cost per replica) -----------------------------------------
+
+def profiled(**overrides: Any) -> PlannerSettings:
+    """A replica prefills 10,000 prompt tokens/s and decodes 1,000 tokens/s; at 80% utilisation."""
+    return make_settings(prefill_tokens_per_s=10_000.0, decode_tokens_per_s=1_000.0, **overrides)
+
+
+def with_demand(obs: Observation, rps: float, prompt: float, output: float) -> Observation:
+    return dataclasses.replace(obs, demand=planner.Demand(rps, prompt, output))
+
+
+def test_prediction_sizes_each_role_from_arrival_rate_and_profile():
+    # prefill: 4 req/s x 4,000 tokens / (10,000 x 0.8) = 2; decode: 4 x 300 / (1,000 x 0.8) = 1.5 -> 2
+    need = planner.predict(with_demand(observe(), 4.0, 4000, 300), profiled())
+    assert need == {"prefill": 2, "decode": 2}
+    # over the budget of 8 the split follows need: 12 prefill : 6 decode -> 5 : 3 (rounding to the neediest)
+    need = planner.predict(with_demand(observe(), 24.0, 4000, 160), profiled())
+    assert need == {"prefill": 5, "decode": 3}
+    assert planner.predict(observe(), profiled()) is None  # no demand: reactive rules only
+    assert planner.predict(with_demand(observe(), 4.0, 4000, 300), make_settings()) is None  # no profile
+
+
+def test_prediction_counts_decode_kv_by_littles_law():
+    s = profiled(decode_kv_tokens=10_000.0, max_total_replicas=None, max_decode=16)
+    # throughput: 10 req/s x 50 tokens / (1,000 x 0.8) = 0.6; KV: 10 x 50 x 0.1 s ITL = 50 requests
+    # decoding, 1,050 tokens each = 52,500 tokens / (10,000 x 0.8) = 6.6 -> 7
+    assert planner.predict(with_demand(observe(itl=0.1), 10.0, 1000, 50), s)["decode"] == 7
+    # the same at a 0.01 s ITL: requests finish sooner, a tenth of them hold KV at once -> 1
+    assert planner.predict(with_demand(observe(itl=0.01), 10.0, 1000, 50), s)["decode"] == 1
+
+
+def test_a_mix_shift_moves_the_split_at_once_despite_the_cooldowns():
+    """After RAG (long prompts) turns to code (long outputs) decode takes its predicted share in one
+    decision, though prefill grew within the downscale cooldown; the reactive rules would wait."""
+    s = profiled()
+    grew_prefill = PlannerState(prefill_up=990.0)
+    obs = with_demand(observe(6, 2, itl=0.09), 4.0, 4000, 700)  # prefill 2, decode 3.5 -> 4
+    decision = plan(obs, s, grew_prefill, now=1000.0)
+    assert counts(decision) == (2, 4) and "predicted" in decision.reason
+    reactive = plan(observe(6, 2, itl=0.09), make_settings(), grew_prefill, now=1000.0)
+    assert counts(reactive) == (6, 2)
+
+
+def test_prediction_within_the_hysteresis_band_holds():
+    s = profiled(hysteresis=0.25)
+    # prefill needs 3.2 -> 4 of 4; decode needs 1.2 -> 2, one below 3: within the band (25% of 3 -> 1)...
+    obs = with_demand(observe(4, 3), 6.4, 4000, 150)
+    assert counts(plan(obs, s, PlannerState(), now=1000.0)) == (4, 3)
+    # ...but two replicas away it moves.
+    obs = with_demand(observe(4, 4), 6.4, 4000, 150)
+    assert counts(plan(obs, s, PlannerState(), now=1000.0)) == (4, 2)
+
+
+def test_prediction_never_shrinks_a_role_over_its_target():
+    obs = with_demand(observe(4, 4, itl=0.2), 2.0, 1000, 100)  # little demand, but decode misses ITL
+    decision = plan(obs, profiled(), PlannerState(), now=1000.0)
+    assert decision.replicas["decode"] >= 4 and decision.replicas["prefill"] == 1
+
+
+def test_reactive_growth_still_backs_an_underestimating_prediction():
+    obs = with_demand(observe(2, 2, ttft=2.0, queue=1.5, p_waiting=12), 1.0, 1000, 100)  # predicts 1 + 1
+    decision = plan(obs, profiled(), PlannerState(), now=1000.0)
+    assert decision.replicas["prefill"] == 4  # pressure 3: doubled, as without a profile
+
+
 def test_fallback_shares_split_the_budget_by_starting_replicas():
     s = make_settings(initial_prefill=2, initial_decode=6)
     assert (s.share("prefill"), s.share("decode")) == (2, 6)

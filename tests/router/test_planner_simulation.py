@@ -49,3 +49,30 @@ def test_the_planner_grows_the_role_that_misses_its_target():
     assert max(x["prefill"] for x in timeline) > 1
     assert all(x["gpus_held"] <= 8 for x in timeline)
     assert timeline[-1]["ttft_p90"] <= 1.0 or out["phases"][0]["goodput_fraction"] > 0.5
+
+
+def test_host_cost_per_sequence_caps_a_decode_replica():
+    """With 1 ms of host time per running sequence per step (the serving stack's streaming), a
+    decode replica makes at most ~1,000 tokens/s: at twice that demand ITL grows with the batch,
+    where the GPU alone would keep it near its floor."""
+    reqs = make_requests([Phase(20.0, 8.0, "chat")], seed=4)  # ~3,000 output tokens/s
+    gpu_only = Simulation(_costs(), reqs, prefill=1, decode=1, dt=0.01).run()
+    host = Costs(prefill_flops_s=2e14, step_overhead_s=0.0005, step_per_seq_s=0.001, startup_s=20.0)
+    capped = Simulation(host, reqs, prefill=1, decode=1, dt=0.01).run()
+    assert float(reqs["output"].sum()) / 20.0 > 2 * 1000.0  # the demand really is over the cap
+    assert capped["completed"] == len(reqs["arrival"])
+    assert capped["itl_p50"] > 4 * gpu_only["itl_p50"]
+    assert capped["phases"][0]["tpot_p90"] > 0.02  # batches of tens of sequences at ~1 ms each
+
+
+def test_the_planner_sees_demand_and_first_tokens_as_they_happen():
+    """The simulator reports what the router and replicas report: arrival rate and prompt length
+    over the window, TTFT at each first token (not at the end of the request)."""
+    reqs = make_requests([Phase(40.0, 4.0, "rag")], seed=5)
+    sim = Simulation(_costs(), reqs, prefill=2, decode=2, dt=0.02)
+    for tick in range(int(30.0 / sim.dt)):
+        sim.step(tick * sim.dt)
+    obs = sim.observe(30.0)
+    assert obs.demand is not None
+    assert 2.5 < obs.demand.arrival_rps < 5.5 and 2500 < obs.demand.prompt_tokens < 6500
+    assert obs.ttft_s > 0.0 and obs.itl_s > 0.0
