@@ -71,11 +71,12 @@ class DSparkAttention(DeepseekV4Attention):
         own = self.entries(h, cos, sin).view(n, width, -1)
         keys = torch.cat([context.to(own.dtype), own], 1)  # [N, W + B, D]
         mask = torch.cat([valid, torch.ones((n, width), dtype=torch.bool, device=valid.device)], 1)
-        logits = torch.einsum("nbhd,nkd->nhbk", q.view(n, width, self.num_heads, -1), keys).float()
+        keys = keys.float()  # scores and the weighted sum in float32 (a few hundred keys per block)
+        logits = torch.einsum("nbhd,nkd->nhbk", q.view(n, width, self.num_heads, -1).float(), keys)
         logits = (logits * self.head_dim ** -0.5).masked_fill(~mask[:, None, None, :], float("-inf"))
         sink = self.attn_sink.float()[None, :, None, None].expand(n, -1, width, 1)
-        probs = torch.cat([logits, sink], -1).softmax(-1)[..., :-1].to(keys.dtype)
-        out = torch.einsum("nhbk,nkd->nbhd", probs, keys).reshape(t, self.num_heads, self.head_dim)
+        probs = torch.cat([logits, sink], -1).softmax(-1)[..., :-1]
+        out = torch.einsum("nhbk,nkd->nbhd", probs, keys).to(h.dtype).reshape(t, self.num_heads, self.head_dim)
         out = rope_tail(out, cos, -sin, self.rotary)  # K = V carried RoPE into the output
         return self.wo_b(self._grouped_wo_a(out))
 
@@ -147,6 +148,9 @@ class DSparkDrafter:
         self.spec: DSparkArgs = args.dspark
         self.stages = stages
         self.layers = layers
+        #: The Markov head's rank -> vocab projection in float32, as DeepSeek's reference holds it
+        #: (made on first use, after loading: 4 x vocab x rank bytes).
+        self._markov_w2: torch.Tensor | None = None
 
     def write_context(self, captured: torch.Tensor, ctx: ForwardContext, rope: V4Rope) -> None:
         """The target's captured features ``[T, len(targets) * hidden]`` at ``ctx.positions`` ->
@@ -199,13 +203,16 @@ class DSparkDrafter:
         g = hc_head(x, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, a.hc_eps, a.rms_norm_eps)
         base = head_logits(last.norm(g)).view(n, width, -1)  # [N, B, V] float32
         g = g.view(n, width, -1)
-        w1, w2 = last.markov_head.markov_w1, last.markov_head.markov_w2.weight
+        w1 = last.markov_head.markov_w1
+        w2 = self._markov_w2
+        if w2 is None or w2.device != base.device:
+            w2 = self._markov_w2 = last.markov_head.markov_w2.weight.float()
         proj = last.confidence_head.proj.weight.float()
         prev = anchors
         drafts, logits, confidence = [], [], []
         for i in range(width):
             e = w1(prev)  # [N, r]: the Markov state, the token before row i's draft
-            z = base[:, i] + nn.functional.linear(e.float(), w2.float())
+            z = base[:, i] + nn.functional.linear(e.float(), w2)
             confidence.append((torch.cat([g[:, i].float(), e.float()], -1) @ proj.t())[:, 0])
             prev = z.argmax(-1)
             drafts.append(prev)

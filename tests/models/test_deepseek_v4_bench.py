@@ -78,3 +78,24 @@ def test_v4_mtp_bench_tiny_run(tmp_path) -> None:
     assert "draft_over_decode" in rows["mtp-k1-a0.0-b1"] and "speedup_over_none" in rows["mtp-k1-a1.0-b2"]
     assert step_loop.accepted_length is spec_decode.accepted_length
     assert result["fast_paths"]["mtp-k1"]["draft_graphs"].startswith("off: the device is cpu")  # said, not hidden
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test (the GPU runs the real script)")
+def test_v4_dspark_bench_tiny_run(tmp_path) -> None:
+    """bench/v4_dspark_gpu.py at toy widths on CPU: every row (no speculation, a verify step of 5
+    alone, MTP-1 and DSpark blocks at a set acceptance) gets a step time; a set acceptance of 1
+    takes a whole block and its bonus token a step; the hand-over is made and checked; the
+    unpipelined DSpark verify steps are said, not hidden."""
+    import bench.v4_dspark_gpu as bench
+    from cluster.engine import spec_decode, step_loop
+
+    result = bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "v4-dspark.json")])
+    assert not result["errors"], result["errors"]
+    rows = result["rows"]
+    assert {"none-b1", "verify-k5-b2", "mtp-k1-a0.0-b1", "dspark-k5-a1.0-b2", "handover"} <= rows.keys()
+    assert rows["dspark-k5-a1.0-b1"]["tokens_per_step"] == 6.0 and rows["dspark-k5-a0.0-b1"]["tokens_per_step"] == 1.0
+    assert "speedup_over_mtp1" in rows["dspark-k5-a1.0-b2"] and "draft_over_decode" in rows["dspark-k5-a0.0-b1"]
+    handover = rows["handover"]
+    assert handover["checked_ok"] and handover["drafter_kv_bytes"] > 0 and handover["handover_bytes"] > 0
+    assert "eagerly" in result["fast_paths"]["dspark-k5"]["spec_pipeline_status"]
+    assert step_loop.accepted_length is spec_decode.accepted_length
