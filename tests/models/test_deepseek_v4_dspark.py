@@ -444,3 +444,30 @@ def test_a_hand_over_that_does_not_match_turns_drafting_off_loudly_and_output_st
     words = {"checksum": "checksum", "layout": "window", "missing": "no DSpark state"}[tamper]
     assert any("hand-over" in r.message and words in r.message for r in caplog.records)
     assert engine.kv.usage == 0.0 and not runner.disabled
+
+
+def test_the_released_0731_config_parses_to_three_stages_and_their_kv():
+    """DeepSeek-V4-Flash-0731's config.json: 43 layers, ``compress_ratios`` with three trailing
+    zeros for the stages, ``num_nextn_predict_layers`` 1, features of layers 40-42, blocks of 5.
+    Three sliding stages (no MTP layer), the draft MoE row in the draft's expert format, and
+    three more layers in the window group, kept one position longer."""
+    from cluster.models.deepseek_v4 import DeepseekV4ForCausalLM, kernel_components
+    from cluster.models.deepseek_v4_config import DeepseekV4Args
+    from tests.deepseek_factories import V4_FLASH_CONFIG
+    config = {**V4_FLASH_CONFIG, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0, 0, 0],
+              "dspark_block_size": 5, "dspark_target_layer_ids": [40, 41, 42], "dspark_markov_rank": 256,
+              "dspark_noise_token_id": 128799}
+    args = DeepseekV4Args.from_hf(config)
+    assert args.num_layers == 43 and args.mtp_layer_types == ()
+    assert args.dspark is not None and args.dspark.num_stages == 3 and args.dspark.target_layer_ids == (40, 41, 42)
+    rows = {c[0]: c for c in kernel_components(config)}
+    assert rows["mtp.moe"][2:] == ("mxfp4", "draft")  # expert_dtype fp4: the stages' experts too
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(args, torch.bfloat16, dspark=True)
+    swa = model.kv_cache_specs(256, "bfloat16")[0]
+    assert swa.num_layers == 43 + 3 and swa.sliding_window == 129
+    assert [type(s).__name__ for s in model.mtp] == ["DSparkStage"] * 3
+    assert tuple(model.mtp[0].main_proj.weight.shape) == (4096, 3 * 4096)
+    assert tuple(model.mtp[2].markov_head.markov_w2.weight.shape) == (129280, 256)
+    assert tuple(model.mtp[2].confidence_head.proj.weight.shape) == (1, 4096 + 256)
+    assert not hasattr(model.mtp[1], "markov_head") and not hasattr(model.mtp[1], "main_proj")
