@@ -211,6 +211,7 @@ class Replica:
     role: str  # prefill | decode | colocated
     ready_at: float
     draining: bool = False
+    drain_since: float = math.inf
     queue: deque = dataclasses.field(default_factory=deque)  # request ids waiting for / in prefill
     queued_tokens: float = 0.0
     head_done: float = 0.0  # prompt tokens of the queue head already computed
@@ -221,10 +222,22 @@ class Simulation:
     def __init__(self, costs: Costs, requests: dict[str, np.ndarray], *, prefill: int, decode: int,
                  colocated: bool = False, planner: PlannerSettings | None = None, dt: float = 0.02,
                  interval_s: float = 10.0, ttft_target: float = 1.0, itl_target: float = 0.05,
-                 shared_gpu: bool = False, gpus: int | None = None) -> None:
+                 shared_gpu: bool = False, gpus: int | None = None, demand_window: float | None = None,
+                 prefill_max_ongoing: int = 512, graceful_shutdown_s: float = 20.0) -> None:
         self.c, self.r, self.dt = costs, requests, dt
         self.colocated, self.settings, self.interval = colocated, planner, interval_s
         self.ttft_target, self.itl_target, self.shared_gpu = ttft_target, itl_target, shared_gpu
+        #: The router's demand window (arrival rate and lengths): one planning interval, as Dynamo's
+        #: planner reads the last adjustment interval's load.
+        self.demand_window = demand_window if demand_window is not None else interval_s
+        #: PrefillServer's max_ongoing_requests: a prefill replica holds at most this many requests;
+        #: the rest wait at the decode replica's handle (KV reserved) for the first replica with room,
+        #: a new one included, as Serve's router queues them.
+        self.prefill_max_ongoing = prefill_max_ongoing
+        #: Serve's graceful_shutdown_timeout_s (default 20): a draining replica is stopped after it.
+        self.graceful_shutdown_s = graceful_shutdown_s
+        self.failed = 0
+        self.handle_queue: deque[int] = deque()
         n = len(requests["arrival"])
         self.state = np.full(n, -1)  # -1: not arrived
         self.decode_of = np.full(n, -1)
@@ -266,6 +279,7 @@ class Simulation:
         prefills = decodes if self.colocated else self._ready("prefill", now)
         if not decodes or not prefills:
             return
+        self._dispatch(prefills, now)
         free = np.array([self.c.kv_tokens - self.replicas[i].kv_used for i in decodes])
         live = (self.state >= PREFILL) & (self.state < DONE)
         seqs = np.bincount(self.decode_of[live], minlength=len(self.replicas))
@@ -281,12 +295,26 @@ class Simulation:
             seqs[d] += 1
             self.replicas[d].kv_used += need
             self.decode_of[rid] = d
-            p = d if self.colocated else min(prefills, key=lambda i: self.replicas[i].queued_tokens)
-            rep = self.replicas[p]
-            rep.queue.append(rid)
             self.enqueued[rid] = now
-            rep.queued_tokens += float(self.r["prompt"][rid])
             self.state[rid] = PREFILL
+            if self.colocated:
+                self._enqueue(d, rid)
+            else:
+                self.handle_queue.append(rid)
+                self._dispatch(prefills, now)
+
+    def _enqueue(self, p: int, rid: int) -> None:
+        rep = self.replicas[p]
+        rep.queue.append(rid)
+        rep.queued_tokens += float(self.r["prompt"][rid])
+
+    def _dispatch(self, prefills: list[int], now: float) -> None:
+        """Requests at the handle to the prefill replica with the fewest queued tokens and room."""
+        while self.handle_queue and prefills:
+            room = [i for i in prefills if len(self.replicas[i].queue) < self.prefill_max_ongoing]
+            if not room:
+                return
+            self._enqueue(min(room, key=lambda i: self.replicas[i].queued_tokens), self.handle_queue.popleft())
 
     def _prefill(self, rep: Replica, seconds: float, now: float) -> float:
         """Run ``seconds`` of prefill on ``rep``'s FIFO; returns the seconds used."""
@@ -388,10 +416,10 @@ class Simulation:
         ready_p = [x for x in pre if x.ready_at <= now]
         kv = max((x.kv_used / self.c.kv_tokens for x in ready_d), default=0.0)
         decode = RoleLoad(len(dec), len(ready_d), bool(ready_d), len(self.waiting) / max(1, len(ready_d)), kv)
-        waiting_p = sum(len(x.queue) for x in ready_p) / max(1, len(ready_p))
+        waiting_p = (sum(len(x.queue) for x in ready_p) + len(self.handle_queue)) / max(1, len(ready_p))
         prefill = RoleLoad(len(pre), len(ready_p), bool(ready_p), waiting_p, 0.0)
         return Observation(decode=decode, prefill=prefill, ttft_s=float(ttft_p90), itl_s=itl_p90,
-                           prefill_queue_s=float(queue_p90), demand=self.demand(now, window))
+                           prefill_queue_s=float(queue_p90), demand=self.demand(now, self.demand_window))
 
     def demand(self, now: float, window: float) -> Demand | None:
         """Arrivals over the window: rate, mean prompt and mean output tokens."""
@@ -412,20 +440,46 @@ class Simulation:
                 self.replicas.append(Replica(role, math.inf))
             extra = max(0, len(live) - want[role])
             for x in sorted(live, key=lambda x: (x.ready_at <= now, len(x.queue) + x.kv_used))[:extra]:
-                x.draining = True
+                x.draining, x.drain_since = True, now
         self._retire(now)
 
     def _retire(self, now: float) -> None:
         """Drained replicas (nothing queued or decoding) leave (their index stays: ids are stable);
         replicas waiting for a GPU start when one is free."""
-        for x in self.replicas:
+        for i, x in enumerate(self.replicas):
             if x.draining and (x.ready_at == math.inf or (not x.queue and x.kv_used <= 0.5)):
                 x.role = "gone"
+            elif x.draining and x.role != "gone" and now - x.drain_since >= self.graceful_shutdown_s:
+                self._kill(i)  # Serve stops a draining replica after graceful_shutdown_timeout_s
         held = sum(1 for x in self.replicas if x.role != "gone" and x.ready_at < math.inf)
         for x in self.replicas:
             if x.role != "gone" and x.ready_at == math.inf and held < self.gpus:
                 x.ready_at = now + self.c.startup_s
                 held += 1
+
+    def _kill(self, i: int) -> None:
+        """A replica stopped with work on it: its unfinished requests fail (their streams error)."""
+        x = self.replicas[i]
+        mine = (self.state >= PREFILL) & (self.state < DONE)
+        if x.role in ("decode", "colocated"):
+            mine &= self.decode_of == i
+        else:
+            mine &= np.isin(np.arange(len(self.state)), list(x.queue))
+        lost = set(np.flatnonzero(mine).tolist())
+        if x.role == "prefill":  # its queue's requests fail; their decode replicas free the KV
+            for rid in lost:
+                self.replicas[self.decode_of[rid]].kv_used -= float(self.r["prompt"][rid] + self.r["output"][rid])
+        for rep in self.replicas:
+            if rep.queue and any(rid in lost for rid in rep.queue):
+                if rep.queue[0] in lost:
+                    rep.head_done = 0.0
+                rep.queue = deque(r for r in rep.queue if r not in lost)
+                rep.queued_tokens = float(sum(self.r["prompt"][r] for r in rep.queue)) - rep.head_done
+        self.handle_queue = deque(r for r in self.handle_queue if r not in lost)
+        for rid in lost:
+            self.state[rid] = DONE  # finished stays NaN: failed
+        self.failed += len(lost)
+        x.role, x.queue, x.kv_used = "gone", deque(), 0.0
 
     def run(self) -> dict[str, Any]:
         end = float(self.r["arrival"].max()) + 120.0 if len(self.r["arrival"]) else 0.0
@@ -445,7 +499,12 @@ class Simulation:
                 counts = {role: sum(1 for x in self.replicas if x.role == role and not x.draining)
                           for role in ("prefill", "decode", "colocated")}
                 self.timeline.append({"t": round(now, 1), **counts, "ttft_p90": round(obs.ttft_s, 4),
-                                      "itl_p90": round(obs.itl_s, 5),
+                                      "itl_p90": round(obs.itl_s, 5), "waiting": len(self.waiting),
+                                      "prefill_queue_p90": round(obs.prefill_queue_s, 3),
+                                      "kv_max": round(obs.decode.kv_usage, 3),
+                                      "prefill_ready": obs.prefill.ready_replicas if obs.prefill else 0,
+                                      "decode_ready": obs.decode.ready_replicas,
+                                      "draining": sum(1 for x in self.replicas if x.draining and x.role != "gone"),
                                       "gpus_held": sum(1 for x in self.replicas
                                                        if x.role != "gone" and x.ready_at < math.inf)})
             if not (self.state < DONE).any() and now > float(self.r["arrival"].max()):
@@ -467,7 +526,7 @@ class Simulation:
                            "tpot_p50": _pct(tpot[m], 50), "tpot_p90": _pct(tpot[m], 90)})
         cdf = np.cumsum(self.itl_hist) / max(self.itl_hist.sum(), 1e-9)
         edges = 10 ** (np.arange(400) / 80 - 4)
-        return {"requests": int(len(ttft)), "completed": int(np.isfinite(self.finished).sum()),
+        return {"requests": int(len(ttft)), "completed": int(np.isfinite(self.finished).sum()), "failed": self.failed,
                 "goodput_fraction": float(ok.mean()) if len(ok) else 0.0,
                 "ttft_p50": _pct(ttft, 50), "ttft_p90": _pct(ttft, 90), "tpot_p50": _pct(tpot, 50),
                 "itl_p50": float(edges[np.searchsorted(cdf, 0.5)]), "itl_p90": float(edges[np.searchsorted(cdf, 0.9)]),
@@ -495,13 +554,36 @@ def serve_run_requests(cfg: dict[str, Any], rate: float, seed: int = 1) -> dict[
             "output": lengths(cfg["output_len"], cfg["output_len_range"]), "phase": np.zeros(n, dtype=int)}
 
 
-def capacity_rate(costs: Costs, mix: str, gpus: int, load: float, ttft: float, itl: float) -> float:
-    """Requests per second that load ``gpus`` to ``load``: GPU-seconds a request costs in prefill
-    and in decode at the profiled decode rate (the batch that meets both latency targets)."""
-    prompt, out = MIXES[mix]
-    prefill = costs.prefill_seconds(prompt, prompt) + costs.prefill_overhead_s
-    decode = out / profile(costs, itl, ttft, prompt, out).decode_tokens_per_s
-    return load * gpus / (prefill + decode)
+def mix_means(mix: str, max_len: int = 16384, n: int = 200_000) -> tuple[float, float]:
+    """Mean prompt and output tokens of ``mix`` as ``make_requests`` draws them (lognormal around
+    the nominal means, clipped): the lognormal's mean is ~13% over its median."""
+    rng = np.random.default_rng(12345)
+    p_mean, o_mean = MIXES[mix]
+    prompt = np.clip(rng.lognormal(math.log(p_mean), 0.5, n), 16, max_len // 2).astype(np.int64)
+    out = np.clip(rng.lognormal(math.log(o_mean), 0.5, n), 8, max_len // 2).astype(np.int64)
+    return float(prompt.mean()), float(out.mean())
+
+
+def split_capacity(costs: Costs, mix: str, gpus: int, ttft: float, itl: float) -> dict[str, Any]:
+    """Requests per second each fixed split of ``gpus`` sustains on ``mix`` in the fitted cost
+    model: the lesser of its prefill replicas' rate (one prompt's prefill seconds, over the mix's
+    prompt lengths) and its decode replicas' (the profiled decode tokens/s within the ITL and TTFT
+    targets over the mix's mean output)."""
+    prompt, out = mix_means(mix)
+    rng = np.random.default_rng(54321)
+    prompts = np.clip(rng.lognormal(math.log(MIXES[mix][0]), 0.5, 20_000), 16, 8192)
+    prefill_s = float(np.mean([costs.prefill_seconds(p, p) for p in prompts])) + costs.prefill_overhead_s
+    per_prefill = 1.0 / prefill_s
+    per_decode = profile(costs, itl, ttft, int(prompt), int(out)).decode_tokens_per_s / out
+    caps = {p: min(p * per_prefill, (gpus - p) * per_decode) for p in fixed_splits(gpus)}
+    best = max(caps, key=lambda p: caps[p])
+    return {"mean_prompt": prompt, "mean_output": out, "prefill_rps_per_replica": per_prefill,
+            "decode_rps_per_replica": per_decode, "split_rps": {f"{p}p{gpus - p}d": c for p, c in caps.items()},
+            "best_split": f"{best}p{gpus - best}d", "best_rps": caps[best]}
+
+
+def fixed_splits(gpus: int) -> list[int]:
+    return sorted({max(1, min(gpus - 1, round(gpus * f))) for f in (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)})
 
 
 def profile(costs: Costs, itl_target: float, ttft_target: float, prompt: int = 2048,
@@ -523,52 +605,94 @@ def profile(costs: Costs, itl_target: float, ttft_target: float, prompt: int = 2
 
 
 def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
+    """The planner (the project's ``plan`` with demand and the profile: predictive sizing, reactive
+    rules as backstop; and without the profile: reactive rules alone) runs the phases back to back
+    on one cluster. Every fixed split, and colocated, runs each phase alone on a fresh cluster
+    (the phase's own requests): the split one would deploy for that phase in hindsight, with no
+    backlog carried from a phase it was never chosen for. Each phase's rate is ``load`` x what the
+    best fixed split sustains on its mix in the cost model (``split_capacity``)."""
     out: dict[str, Any] = {"benchmark": "simulator-planner", "environment": environment(),
                            "costs": dataclasses.asdict(costs), "targets": {"ttft_s": args.ttft, "itl_s": args.itl},
+                           "method": {"load": args.load, "phase_s": args.phase_s, "interval_s": args.interval,
+                                      "planner": "phases back to back on one cluster, from gpus//4 prefill",
+                                      "fixed_and_colocated": "each phase alone on a fresh cluster",
+                                      "rates": "load x the best fixed split's capacity on the phase's mix "
+                                               "(split_capacity, in the fitted cost model)",
+                                      "goodput": "requests of the phase meeting TTFT and TPOT targets per second",
+                                      "violation_minutes": "planning intervals with p90 TTFT or ITL (last 30 s) "
+                                                           "over target, until the last phase ends"},
                            "by_gpus": {}}
     mixes = args.mixes.split(",")
     for gpus in [int(g) for g in args.gpus.split(",")]:
-        phases = [Phase(args.phase_s, capacity_rate(costs, m, gpus, args.load, args.ttft, args.itl), m, bursty=(i == 1 and args.bursty))
+        caps = {m: split_capacity(costs, m, gpus, args.ttft, args.itl) for m in mixes}
+        phases = [Phase(args.phase_s, args.load * caps[m]["best_rps"], m, bursty=(i == 1 and args.bursty))
                   for i, m in enumerate(mixes)]
         reqs = make_requests(phases, seed=args.seed)
-        dt = args.dt if gpus <= 8 else max(args.dt, 0.05)
+        starts = np.cumsum([0.0] + [ph.seconds for ph in phases])
+        dt = args.dt if gpus <= 8 else max(args.dt, args.dt_large)
         started = time.perf_counter()
         p0 = max(1, gpus // 4)
         settings = dataclasses.replace(
             profile(costs, args.itl, args.ttft), target_ttft_s=args.ttft, target_itl_s=args.itl, min_prefill=1,
             max_prefill=gpus - 1, min_decode=1, max_decode=gpus - 1, max_total_replicas=gpus,
             initial_prefill=p0, initial_decode=gpus - p0)
-        if args.reactive:
-            settings = dataclasses.replace(settings, prefill_tokens_per_s=None, decode_tokens_per_s=None)
-        runs: dict[str, Any] = {}
+        planners = {"planner": settings}
+        if args.reactive or args.both:
+            reactive = dataclasses.replace(settings, prefill_tokens_per_s=None, decode_tokens_per_s=None)
+            planners = {"planner-reactive": reactive} if args.reactive else {**planners, "planner-reactive": reactive}
         common = dict(dt=dt, interval_s=args.interval, ttft_target=args.ttft, itl_target=args.itl, gpus=gpus)
-        runs["planner"] = Simulation(costs, reqs, prefill=p0, decode=gpus - p0, planner=settings, **common).run()
-        splits = sorted({max(1, min(gpus - 1, round(gpus * f))) for f in (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)})
-        for p in splits:
-            runs[f"fixed-{p}p{gpus - p}d"] = Simulation(costs, reqs, prefill=p, decode=gpus - p, **common).run()
-        runs["colocated"] = Simulation(costs, reqs, prefill=0, decode=gpus, colocated=True, **common).run()
-        fixed = [k for k in runs if k.startswith("fixed")]
+        runs: dict[str, Any] = {}
+        for name, s in planners.items():
+            runs[name] = Simulation(costs, reqs, prefill=p0, decode=gpus - p0, planner=s, **common).run()
+            print(f"  {gpus} GPUs {name}: {time.perf_counter() - started:.0f} s", flush=True)
+        alone: dict[str, list[dict[str, Any]]] = {}
+        for i in range(len(phases)):
+            m = reqs["phase"] == i
+            seg = {k: (v[m] - starts[i] if k == "arrival" else v[m]) for k, v in reqs.items()}
+            for p in fixed_splits(gpus):
+                alone.setdefault(f"fixed-{p}p{gpus - p}d", []).append(
+                    Simulation(costs, seg, prefill=p, decode=gpus - p, **common).run())
+            alone.setdefault("colocated", []).append(
+                Simulation(costs, seg, prefill=0, decode=gpus, colocated=True, **common).run())
+            print(f"  {gpus} GPUs fixed, phase {i}: {time.perf_counter() - started:.0f} s", flush=True)
+        good: list[dict[str, float]] = [{} for _ in phases]
+        for k, v in runs.items():
+            for i in range(len(phases)):
+                good[i][k] = v["phases"][i]["goodput_rps"]
+        for k, v in alone.items():
+            for i in range(len(phases)):
+                good[i][k] = v[i]["phases"][0]["goodput_rps"]
+        fixed = [k for k in alone if k.startswith("fixed")]
         per_phase = []
         for i, ph in enumerate(phases):
-            good = {k: runs[k]["phases"][i]["goodput_rps"] for k in runs}
-            best = max(fixed, key=lambda k: good[k])
-            worst = min(fixed, key=lambda k: good[k])
-            per_phase.append({"phase": i, "mix": ph.mix, "rate_rps": ph.rate, "bursty": ph.bursty, "goodput_rps": good,
-                              "best_fixed": best, "worst_fixed": worst,
-                              "planner_over_best": good["planner"] / good[best] if good[best] else None,
-                              "planner_over_worst": good["planner"] / good[worst] if good[worst] else None,
-                              "planner_over_colocated": good["planner"] / good["colocated"] if good["colocated"] else None})
-        timeline = runs["planner"]["timeline"]
-        out["by_gpus"][str(gpus)] = {"phases": per_phase, "recovery_intervals": recovery(timeline, phases, args),
-                                     "reversals": reversals(timeline, phases), "violation_minutes": {
-                                         k: violation_minutes(v["timeline"], args) for k, v in runs.items()},
-                                     "runs": {k: {kk: vv for kk, vv in v.items() if kk != "timeline"} | (
-                                         {"timeline": v["timeline"]} if k == "planner" else {}) for k, v in runs.items()},
-                                     "seconds": time.perf_counter() - started, "dt": dt}
+            g = good[i]
+            best = max(fixed, key=lambda k: g[k])
+            worst = min(fixed, key=lambda k: g[k])
+            row = {"phase": i, "mix": ph.mix, "rate_rps": ph.rate, "bursty": ph.bursty, "capacity": caps[ph.mix],
+                   "goodput_rps": g, "best_fixed": best, "worst_fixed": worst}
+            for name in runs:
+                row[f"{name}_over_best"] = g[name] / g[best] if g[best] else None
+                row[f"{name}_over_worst"] = g[name] / g[worst] if g[worst] else None
+                row[f"{name}_over_colocated"] = g[name] / g["colocated"] if g["colocated"] else None
+            per_phase.append(row)
+        end = float(starts[-1])
+        out["by_gpus"][str(gpus)] = {
+            "phases": per_phase,
+            "recovery_intervals": {k: recovery(v["timeline"], phases, args) for k, v in runs.items()},
+            "reversals": {k: reversals(v["timeline"], phases) for k, v in runs.items()},
+            "violation_minutes": {**{k: violation_minutes(v["timeline"], args, end) for k, v in runs.items()},
+                                  **{k: sum(violation_minutes(r["timeline"], args, ph.seconds) for r, ph in zip(v, phases))
+                                     for k, v in alone.items()}},
+            "violation_minutes_per_phase": {k: [violation_minutes(v["timeline"], args, starts[i + 1], starts[i])
+                                                for i in range(len(phases))] for k, v in runs.items()},
+            "runs": {k: v for k, v in runs.items()},
+            "fixed_runs": {k: [{kk: vv for kk, vv in r.items() if kk != "timeline"} for r in v]
+                           for k, v in alone.items()},
+            "seconds": time.perf_counter() - started, "dt": dt}
         print(f"{gpus} GPUs ({time.perf_counter() - started:.0f} s):")
         for p in per_phase:
-            print(f"  {p['mix']}: " + ", ".join(f"{k} {v:.2f}" for k, v in p["goodput_rps"].items())
-                  + f"; best fixed {p['best_fixed']}")
+            print(f"  {p['mix']} at {p['rate_rps']:.1f} req/s: " + ", ".join(f"{k} {v:.2f}" for k, v in p["goodput_rps"].items())
+                  + f"; best fixed {p['best_fixed']}", flush=True)
     return out
 
 
@@ -601,8 +725,9 @@ def reversals(timeline: list[dict[str, Any]], phases: list[Phase]) -> dict[str, 
     return out
 
 
-def violation_minutes(timeline: list[dict[str, Any]], args: argparse.Namespace) -> float:
-    bad = sum(1 for x in timeline if x["ttft_p90"] > args.ttft or x["itl_p90"] > args.itl)
+def violation_minutes(timeline: list[dict[str, Any]], args: argparse.Namespace, until: float = math.inf,
+                      since: float = 0.0) -> float:
+    bad = sum(1 for x in timeline if since < x["t"] <= until and (x["ttft_p90"] > args.ttft or x["itl_p90"] > args.itl))
     return bad * args.interval / 60.0
 
 
@@ -622,7 +747,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_xticks(range(len(names)), names, rotation=60, fontsize=7)
         ax.set_title(f"{g} GPUs: goodput (req/s) per phase")
         ax.legend(fontsize=7)
-        tl = data["runs"]["planner"]["timeline"]
+        tl = next(iter(data["runs"].values()))["timeline"]
         ax = axes[1][j]
         ax.plot([x["t"] for x in tl], [x["prefill"] for x in tl], label="prefill replicas")
         ax.plot([x["t"] for x in tl], [x["decode"] for x in tl], label="decode replicas")
@@ -641,7 +766,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gpus", default="8,64,512")
     parser.add_argument("--mixes", default="chat,rag,code")
     parser.add_argument("--phase-s", type=float, default=240.0)
-    parser.add_argument("--load", type=float, default=0.6)
+    parser.add_argument("--load", type=float, default=0.65)
     parser.add_argument("--bursty", action="store_true", help="the second phase's arrivals come in bursts")
     parser.add_argument("--ttft", type=float, default=1.0)
     parser.add_argument("--itl", type=float, default=0.05)
@@ -653,6 +778,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=2, help="validation: fitting rounds")
     parser.add_argument("--fit-file", default=None, help="validation: the serving run to fit on (default: latest)")
     parser.add_argument("--reactive", action="store_true", help="the planner without its profile (reactive rules only)")
+    parser.add_argument("--both", action="store_true", help="the planner with and without its profile")
+    parser.add_argument("--dt-large", type=float, default=0.05, help="tick beyond 8 GPUs")
     parser.add_argument("--calibration", default=None, help="a --validate result whose fitted constants to use")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

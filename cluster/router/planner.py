@@ -99,6 +99,9 @@ class PlannerSettings:
     target_utilization: float = 0.8
     #: ...and moves a role only when the prediction is this share (and at least one replica) away.
     hysteresis: float = 0.1
+    #: Predictive sizing adds the requests already waiting (a backlog built while new replicas
+    #: started) as demand on both roles, to clear within this many seconds (None: arrivals only).
+    backlog_drain_s: float | None = 60.0
 
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
@@ -243,7 +246,7 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
     notes: list[str] = []
     predicted = predict(obs, s)
     if predicted is not None:
-        notes += _follow_prediction(want, predicted, loads, pressure, s)
+        notes += _follow_prediction(want, predicted, loads, pressure, s, state, now)
     for role, load in loads.items():
         p = pressure[role]
         cooled = _since(state.last_up(role), now) >= s.upscale_cooldown_s
@@ -251,7 +254,7 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
         if p is not None and p > 1.0 and not load.starting and cooled and not grown:
             step = max(1, math.ceil(load.replicas * min(p - 1.0, 1.0)))
             want[role] = min(s.bounds(role)[1], max(want[role], load.replicas + step))
-    notes += _fit_budget(want, loads, pressure, state, s, now)
+    notes += _fit_budget(want, loads, pressure, state, s, now, predicted)
     # Nothing shrinks while users see a missed target, even one no role here can act on.
     nothing_over = (all(p is None or p <= 1.0 for p in pressure.values())
                     and obs.ttft_s <= s.target_ttft_s and obs.itl_s <= s.target_itl_s)
@@ -276,19 +279,24 @@ def predict(obs: Observation, s: PlannerSettings) -> dict[Role, int] | None:
     """Replicas each role needs for the measured demand at ``target_utilization`` of its profiled
     capacity, as DistServe's and Dynamo's planners size them: arrival rate x tokens per request /
     tokens per second of one replica; decode also by KV (Little's law: requests decoding at once =
-    arrival rate x output tokens x ITL, each holding prompt + output tokens). Over
+    arrival rate x output tokens x ITL, each holding prompt + output tokens); both also by the
+    backlog, as extra arrivals to clear within ``backlog_drain_s`` (at 0.8 utilisation the spare
+    fifth of capacity alone takes minutes to clear what piled up over one replica start-up). Over
     ``max_total_replicas`` the budget is split in proportion to need. None: no demand or profile."""
     d = obs.demand
     has_prefill = obs.prefill is not None
     if d is None or not s.decode_tokens_per_s or (has_prefill and not s.prefill_tokens_per_s):
         return None
     u = s.target_utilization
-    need: dict[Role, float] = {"decode": d.arrival_rps * d.output_tokens / (s.decode_tokens_per_s * u)}
+    # the backlog (requests waiting to be prefilled) is demand on both roles, to clear within backlog_drain_s
+    queued_rps = backlog(obs) / s.backlog_drain_s if s.backlog_drain_s else 0.0
+    need: dict[Role, float] = {"decode": (d.arrival_rps + queued_rps) * d.output_tokens / (s.decode_tokens_per_s * u)}
     if s.decode_kv_tokens:
         itl = min(obs.itl_s, s.target_itl_s) if obs.itl_s > 0 else s.target_itl_s
         live = d.arrival_rps * d.output_tokens * itl
         need["decode"] = max(need["decode"], live * (d.prompt_tokens + d.output_tokens) / (s.decode_kv_tokens * u))
-    prefill = d.arrival_rps * d.prompt_tokens / (s.prefill_tokens_per_s * u) if s.prefill_tokens_per_s else 0.0
+    prefill = ((d.arrival_rps + queued_rps) * d.prompt_tokens / (s.prefill_tokens_per_s * u)
+               if s.prefill_tokens_per_s else 0.0)
     if has_prefill:
         need["prefill"] = prefill
     else:  # decode replicas prefill every prompt too
@@ -309,18 +317,34 @@ def predict(obs: Observation, s: PlannerSettings) -> dict[Role, int] | None:
     return want
 
 
+def backlog(obs: Observation) -> float:
+    """Requests waiting, not yet prefilled: for decode room and at (or for) a prefill replica."""
+    def total(load: RoleLoad | None) -> float:
+        if load is None or not load.reported:
+            return 0.0
+        return load.waiting * max(1, load.ready_replicas if load.ready_replicas is not None else load.replicas)
+    return total(obs.decode) + total(obs.prefill)
+
+
 def _follow_prediction(want: dict[Role, int], predicted: dict[Role, int], loads: dict[Role, RoleLoad],
-                       pressure: dict[Role, float | None], s: PlannerSettings) -> list[str]:
+                       pressure: dict[Role, float | None], s: PlannerSettings, state: PlannerState | None = None,
+                       now: float = 0.0) -> list[str]:
     """Grow each role to its predicted count at once (even while replicas start: the prediction is
     a count, not a step); shrink it only when the prediction is more than the hysteresis band
-    below, and never while the role misses its target. When one role's growth needs the budget, the other comes down to its
+    below, and never while the role misses its target. A role that grew within
+    downscale_cooldown_s shrinks only when the other role grows in the same decision (the mix
+    shifted): a short demand window's noise alone would otherwise flap it (grow, shrink, grow: each
+    new replica a start-up). When one role's growth needs the budget, the other comes down to its
     prediction whatever the band."""
     notes = []
+    growing = {r for r in loads if predicted[r] > loads[r].replicas}
     for role, load in loads.items():
         target, n = predicted[role], load.replicas
         band = max(1, math.ceil(s.hysteresis * n))
         over = (pressure[role] or 0.0) > 1.0
-        if target > n or (target < n - band and not over):
+        settled = (state is None or _since(state.last_up(role), now) >= s.downscale_cooldown_s
+                   or bool(growing - {role}))
+        if target > n or (target < n - band and not over and settled):
             want[role] = target
     budget = s.max_total_replicas
     if budget is not None and sum(want.values()) > budget:
@@ -333,8 +357,12 @@ def _follow_prediction(want: dict[Role, int], predicted: dict[Role, int], loads:
 
 
 def _fit_budget(want: dict[Role, int], loads: dict[Role, RoleLoad], pressure: dict[Role, float | None],
-                state: PlannerState, s: PlannerSettings, now: float) -> list[str]:
-    """Bring ``want`` within max_total_replicas: donors first, then cut growth, lowest pressure first."""
+                state: PlannerState, s: PlannerSettings, now: float,
+                predicted: dict[Role, int] | None = None) -> list[str]:
+    """Bring ``want`` within max_total_replicas: donors first, then cut growth, lowest pressure first.
+    With a prediction a donor keeps its predicted count: reactive growth past the prediction (a
+    backlog already queued on the running replicas, which new ones do not take over) must not
+    starve the other role of what its demand needs."""
     budget = s.max_total_replicas
     if budget is None or sum(want.values()) <= budget:
         return []
@@ -345,6 +373,8 @@ def _fit_budget(want: dict[Role, int], loads: dict[Role, RoleLoad], pressure: di
         if other not in want or want[other] != loads[other].replicas:
             continue
         most = min(sum(want.values()) - budget, max(1, loads[other].replicas // 2))  # half at a time
+        if predicted is not None:
+            most = min(most, loads[other].replicas - predicted[other])
         give = next((k for k in range(most, 0, -1)
                      if _can_give(other, k, loads[other], pressure[other], state, s, now)), 0)
         if give:

@@ -221,6 +221,46 @@ def test_reactive_growth_still_backs_an_underestimating_prediction():
     assert decision.replicas["prefill"] == 4  # pressure 3: doubled, as without a profile
 
 
+def test_a_role_that_just_grew_does_not_shrink_on_a_noisy_prediction():
+    """The simulator's lesson (10 s demand windows at 8 GPUs): chat's decode need sits near a
+    rounding edge, and one quiet window predicted two replicas fewer, so decode shrank and grew
+    back (each new replica a minute's start-up). Within downscale_cooldown_s of its growth a role
+    holds; after it, or when the other role grows in the same decision (the mix shifted), it moves."""
+    s = profiled()
+    obs = with_demand(observe(1, 7), 2.0, 1000, 2000)  # decode 2 x 2,000 / 800 = 5: two below 7
+    grew_decode = PlannerState(decode_up=950.0)
+    assert counts(plan(obs, s, grew_decode, now=1000.0)) == (1, 7)
+    assert counts(plan(obs, s, grew_decode, now=1100.0)) == (1, 5)  # cooled down: it shrinks
+    shift = with_demand(observe(1, 7), 2.0, 12_000, 2000)  # prefill needs 3: the mix moved
+    assert counts(plan(shift, s, grew_decode, now=1000.0)) == (3, 5)
+
+
+def test_a_donor_keeps_what_its_predicted_demand_needs():
+    """Reactive growth past the prediction (a backlog already queued on the running prefill
+    replicas, which new ones do not take over) takes no decode replica below decode's prediction."""
+    # prefill needs 4 x 4,000 / 8,000 = 2, decode 4 x 600 / 800 = 3; prefill's queue says pressure 6
+    obs = with_demand(observe(4, 4, ttft=5.0, queue=3.0, itl=0.01, kv=0.1), 4.0, 4000, 600)
+    decision = plan(obs, profiled(), PlannerState(), now=1000.0)
+    assert decision.replicas["decode"] == 3 and decision.replicas["prefill"] == 5
+    without = plan(dataclasses.replace(obs, demand=None), make_settings(), PlannerState(), now=1000.0)
+    assert without.replicas["decode"] == 2  # the reactive donor rule alone gives half
+
+
+def test_prediction_counts_the_backlog_as_demand_to_clear():
+    """The simulator's lesson at 64 GPUs: after chat turned to RAG, requests piled up for the
+    minute new prefill replicas took to start; sized for arrivals at 0.8 utilisation, the spare
+    fifth of capacity took minutes to clear them. Waiting requests count as arrivals to clear
+    within backlog_drain_s, on both roles (they need decoding too)."""
+    s = profiled(max_total_replicas=None, max_prefill=16, max_decode=16)
+    # 4 req/s x 4,000 tokens: prefill 2, decode 4 x 300 / 800 = 1.5 -> 2
+    assert planner.predict(with_demand(observe(2, 2), 4.0, 4000, 300), s) == {"prefill": 2, "decode": 2}
+    # 240 requests waiting (60 per replica on 2 prefill and 2 decode): + 4 req/s over 60 s, so
+    # prefill 8 x 4,000 / 8,000 = 4, decode 8 x 300 / 800 = 3
+    queued = with_demand(observe(2, 2, p_waiting=60, d_waiting=60), 4.0, 4000, 300)
+    assert planner.predict(queued, s) == {"prefill": 4, "decode": 3}
+    assert planner.predict(queued, dataclasses.replace(s, backlog_drain_s=None)) == {"prefill": 2, "decode": 2}
+
+
 def test_fallback_shares_split_the_budget_by_starting_replicas():
     s = make_settings(initial_prefill=2, initial_decode=6)
     assert (s.share("prefill"), s.share("decode")) == (2, 6)
