@@ -89,8 +89,11 @@ def model_dir(tmp_path_factory) -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster():
+    """One Ray instance for the end-to-end tests, shut down after the last of them: left running
+    (it was session-scoped), its last deployment's replicas held memory and CPU through every test
+    file after this package (a CI run was killed there)."""
     import ray
     from ray import serve
     port = free_port()

@@ -186,17 +186,19 @@ def test_many_requests_with_aborts_free_every_block(model_dir):
 
 def test_refused_where_a_method_does_not_fit_the_model(tmp_path, model_dir):
     """mtp needs a model with an MTP layer (DeepSeek-V4, and a checkpoint that has one); dspark
-    is not built; bad n-gram bounds are named. (DeepSeek-V4's in-place state rolls back:
+    a DeepSeek-V4 checkpoint with a DSpark drafter; bad n-gram bounds are named. (DeepSeek-V4's in-place state rolls back:
     tests/models/test_deepseek_v4_speculation.py.)"""
     from tests.deepseek_factories import make_v4_checkpoint
     path = str(tmp_path / "v4")
     make_v4_checkpoint(path, "csa_hca")
     with pytest.raises(UnsupportedSettingError, match="checkpoint has none"):
         LLM(path, block_size=4, speculative_method="mtp")
-    with pytest.raises(UnsupportedSettingError, match="MTP layers .DeepSeek-V4.; LlamaForCausalLM has none"):
+    with pytest.raises(UnsupportedSettingError, match="own draft layers .DeepSeek-V4.; LlamaForCausalLM has none"):
         LLM(model_dir, speculative_method="mtp")
-    with pytest.raises(UnsupportedSettingError, match="dspark' is not built yet"):
-        LLM(path, speculative_method="dspark")
+    with pytest.raises(UnsupportedSettingError, match="own draft layers .DeepSeek-V4.; LlamaForCausalLM has none"):
+        LLM(model_dir, speculative_method="dspark")
+    with pytest.raises(UnsupportedSettingError, match="needs a DSpark checkpoint"):
+        LLM(path, block_size=4, speculative_method="dspark")
     with pytest.raises(UnsupportedSettingError, match="prompt_lookup_max"):
         LLM(path, speculative_method="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
 
