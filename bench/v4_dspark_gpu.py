@@ -42,13 +42,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import environment, require_graphs, write_result  # noqa: E402
+from bench.common import environment, write_result  # noqa: E402
 from bench.deepseek_v4_layers import model_config  # noqa: E402
 from bench.serve_gpu import WIDTH, write_model_dir  # noqa: E402
-from bench.spec_decode_gpu import RepeatLast  # noqa: E402
-from bench.v4_mtp_gpu import SetAcceptance, make_engine, measure  # noqa: E402
+from bench.v4_mtp_gpu import run_method  # noqa: E402
 from cluster import SamplingParams  # noqa: E402
-from cluster.engine import step_loop  # noqa: E402
 from cluster.engine.engine import LLMEngine  # noqa: E402
 
 BATCHES, ACCEPTANCE, PROMPT, NEW = (1, 8, 32), (0.0, 0.5, 0.8, 0.9, 1.0), 512, 48
@@ -110,40 +108,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "method": f"{prompt}-token prompts, {new} new tokens, median step; acceptance set by the benchmark "
                   "(see the script); none is the anchor", "rows": {}, "errors": {}, "fast_paths": {}}
     rows = result["rows"]
-    real_acceptance = step_loop.accepted_length
-    runs = [("none", 0), ("verify", BLOCK), ("mtp", 1), ("dspark", BLOCK)]
-    for method, k in runs:
+    for method, k in [("none", 0), ("verify", BLOCK), ("mtp", 1), ("dspark", BLOCK)]:
         with tempfile.TemporaryDirectory() as path:
             write_model_dir(path, configs[method])
-            try:
-                engine = make_engine(path, args.device, {"verify": "ngram"}.get(method, method), k, max(batches))
-            except Exception as exc:  # noqa: BLE001 - record and go on
-                result["errors"][f"{method}-k{k}"] = repr(exc)
-                continue
-            if method == "verify":
-                engine.proposer = RepeatLast()  # type: ignore[assignment]
-            paths = {"cuda_graphs": require_graphs(engine, f"{method} rows") if on_gpu
-                     else engine.runner.graph_status.describe(), "backends": engine.backends(),
-                     "verify_steps_pipelined": not getattr(engine, "spec_pipeline_status", "none")
-                     if engine.proposer is not None else None,
-                     "spec_pipeline_status": getattr(engine, "spec_pipeline_status", "")}
-            if engine.runner.drafter is not None:
-                paths["draft_graphs"] = engine.runner.drafter.graph_status.describe()
-            result["fast_paths"][f"{method}-k{k}"] = paths
-            speculating = method in ("mtp", "dspark")
-            for a in (acceptance if speculating else (0.0,)):
-                step_loop.accepted_length = SetAcceptance(a) if speculating else real_acceptance  # type: ignore
-                for batch in batches:
-                    name = f"{method}-b{batch}" if method == "none" else (
-                        f"verify-k{k}-b{batch}" if method == "verify" else f"{method}-k{k}-a{a}-b{batch}")
-                    try:
-                        rows[name] = measure(engine, batch, prompt, new, name)
-                        print(name, json.dumps({x: round(v, 3) if isinstance(v, float) else v
-                                                for x, v in rows[name].items()}), flush=True)
-                    except Exception as exc:  # noqa: BLE001
-                        result["errors"][name] = repr(exc)
-            step_loop.accepted_length = real_acceptance
-            if method == "dspark":
+            engine = run_method(result, path, args.device, method, k, acceptance, batches, prompt, new)
+            if method == "dspark" and engine is not None:
                 try:
                     rows["handover"] = handover_costs(engine, prompt, 3 if args.tiny else 10)
                     print("handover", json.dumps(rows["handover"]), flush=True)

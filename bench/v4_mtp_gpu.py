@@ -84,6 +84,47 @@ def measure(engine: LLMEngine, batch: int, prompt: int, new: int, name: str) -> 
     return row
 
 
+def run_method(result: dict[str, Any], path: str, device: str, method: str, k: int, acceptance: tuple[float, ...],
+               batches: tuple[int, ...], prompt: int, new: int) -> LLMEngine | None:
+    """One row group: an engine for ``method`` (``none``, ``verify``: a verify step of ``k`` drafts
+    alone, or a drafter), its fast paths recorded, and a row per set acceptance (drafters only)
+    and batch. Returns the engine (None where it could not be built: the error is recorded)."""
+    on_gpu = device.startswith("cuda")
+    speculating = method not in ("none", "verify")
+    try:
+        engine = make_engine(path, device, {"verify": "ngram"}.get(method, method), k, max(batches))
+    except Exception as exc:  # noqa: BLE001 - record and go on
+        result["errors"][f"{method}-k{k}"] = repr(exc)
+        return None
+    if method == "verify":
+        engine.proposer = RepeatLast()  # type: ignore[assignment]
+    paths: dict[str, Any] = {
+        "cuda_graphs": require_graphs(engine, f"{method} rows") if on_gpu else engine.runner.graph_status.describe(),
+        "backends": engine.backends()}
+    if engine.proposer is not None:
+        status = getattr(engine, "spec_pipeline_status", "")
+        paths.update(verify_steps_pipelined=not status, spec_pipeline_status=status)
+    if engine.runner.drafter is not None:
+        paths["draft_graphs"] = engine.runner.drafter.graph_status.describe()
+    result["fast_paths"][f"{method}-k{k}"] = paths
+    real_acceptance = step_loop.accepted_length
+    try:
+        for a in (acceptance if speculating else (0.0,)):
+            step_loop.accepted_length = SetAcceptance(a) if speculating else real_acceptance  # type: ignore
+            for batch in batches:
+                name = f"{method}-b{batch}" if method == "none" else (
+                    f"verify-k{k}-b{batch}" if method == "verify" else f"{method}-k{k}-a{a}-b{batch}")
+                try:
+                    result["rows"][name] = row = measure(engine, batch, prompt, new, name)
+                    print(name, json.dumps({x: round(v, 3) if isinstance(v, float) else v for x, v in row.items()}),
+                          flush=True)
+                except Exception as exc:  # noqa: BLE001
+                    result["errors"][name] = repr(exc)
+    finally:
+        step_loop.accepted_length = real_acceptance
+    return engine
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=f"bench/results/v4-mtp-h200-{datetime.date.today()}.json")
@@ -101,36 +142,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "method": f"{prompt}-token prompts, {new} new tokens, median step; acceptance set by the benchmark "
                   "(see the script); none is the anchor", "rows": {}, "errors": {}, "fast_paths": {}}
     rows = result["rows"]
-    real_acceptance = step_loop.accepted_length
     with tempfile.TemporaryDirectory() as path:
         write_model_dir(path, config)
-        runs = [("none", 0)] + [(method, k) for k in ks for method in ("verify", "mtp")]
-        for method, k in runs:
-            try:
-                engine = make_engine(path, args.device, {"none": "none", "verify": "ngram", "mtp": "mtp"}[method], k,
-                                     max(batches))
-            except Exception as exc:  # noqa: BLE001 - record and go on
-                result["errors"][f"{method}-k{k}"] = repr(exc)
-                continue
-            if method == "verify":
-                engine.proposer = RepeatLast()  # type: ignore[assignment]
-            paths = {"cuda_graphs": require_graphs(engine, f"{method} rows") if on_gpu
-                     else engine.runner.graph_status.describe(), "backends": engine.backends()}
-            if engine.runner.drafter is not None:
-                paths["draft_graphs"] = engine.runner.drafter.graph_status.describe()
-            result["fast_paths"][f"{method}-k{k}"] = paths
-            for a in (acceptance if method == "mtp" else (0.0,)):
-                step_loop.accepted_length = SetAcceptance(a) if method == "mtp" else real_acceptance  # type: ignore
-                for batch in batches:
-                    name = f"{method}-b{batch}" if method == "none" else (
-                        f"verify-k{k}-b{batch}" if method == "verify" else f"mtp-k{k}-a{a}-b{batch}")
-                    try:
-                        rows[name] = measure(engine, batch, prompt, new, name)
-                        print(name, json.dumps({x: round(v, 3) if isinstance(v, float) else v
-                                                for x, v in rows[name].items()}), flush=True)
-                    except Exception as exc:  # noqa: BLE001
-                        result["errors"][name] = repr(exc)
-            step_loop.accepted_length = real_acceptance
+        for method, k in [("none", 0)] + [(method, k) for k in ks for method in ("verify", "mtp")]:
+            engine = run_method(result, path, args.device, method, k, acceptance, batches, prompt, new)
             del engine
             if on_gpu:
                 torch.cuda.empty_cache()

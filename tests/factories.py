@@ -2,8 +2,10 @@
 safetensors, with a real BPE tokenizer and a ChatML template), and engines over them."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -138,3 +140,43 @@ def run_with_aborts(engine: Any, prompts: list[list[int]], requests: int = 200, 
             engine.abort_request(live.pop(rng.randrange(len(live))))
     while engine.has_work():
         engine.step()
+
+
+@contextlib.contextmanager
+def local_pd_workers(settings: dict[str, Any], wrap_prefill: Any = None) -> Iterator[tuple[Any, Any]]:
+    """A prefill worker and a decode worker in this process, KV over ``local`` transfer, built
+    from cluster ``settings``; ``wrap_prefill(prefill_fn)`` may stand between them (to edit what
+    prefill hands over). Shut down on exit."""
+    import uuid
+
+    from cluster.config import parse_cluster_args
+    from cluster.decode.worker import DecodeWorker
+    from cluster.prefill.worker import PrefillWorker
+    config = parse_cluster_args({"kv_transfer": "local", **settings}, use_env=False)
+    prefill = PrefillWorker(config, engine_id=f"p-{uuid.uuid4().hex[:6]}")
+    prefill_fn = prefill.prefill if wrap_prefill is None else wrap_prefill(prefill.prefill)
+    decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=prefill_fn)
+    try:
+        yield prefill, decode
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def generate_disaggregated(decode: Any, prompts: list[list[int]], params: Any) -> list[list[int]]:
+    """Each prompt's output tokens, generated concurrently through a decode worker (which calls
+    its prefill worker); a request that ends in an error fails the test."""
+    import asyncio
+
+    from cluster.common.messages import GenerateRequest
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for out in decode.generate(GenerateRequest(f"r{i}", prompt, params)):
+            assert not out.error, out.error
+            tokens += out.new_token_ids
+        return tokens
+
+    async def run() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    return asyncio.run(run())

@@ -7,9 +7,6 @@ acceptance; bad head files and models it cannot serve are refused by name; a pre
 hands the head's state to decode, which then recomputes nothing of the prompt."""
 from __future__ import annotations
 
-import asyncio
-import uuid
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -18,7 +15,8 @@ from cluster import LLM, SamplingParams
 from cluster.common.errors import ModelLoadError, UnsupportedSettingError
 from cluster.engine.draft_runner import DraftHeadRunner
 from cluster.models.draft_head import LlamaDraftHead, dense_hidden, head_metadata
-from tests.factories import engine_logits, make_checkpoint, mixed_prompts, output_summary, run_with_aborts
+from tests.factories import engine_logits, generate_disaggregated, local_pd_workers, make_checkpoint, mixed_prompts, \
+    output_summary, run_with_aborts
 
 K = 3
 
@@ -231,29 +229,13 @@ def test_bad_heads_and_models_are_refused(tiny, tmp_path):
 # --- disaggregated: the hand-over ------------------------------------------------------------------
 
 def test_prefill_hands_the_head_its_state_and_decode_recomputes_nothing(tiny):
-    from cluster.common.messages import GenerateRequest
-    from cluster.config import parse_cluster_args
-    from cluster.decode.worker import DecodeWorker
-    from cluster.prefill.worker import PrefillWorker
     path, head = tiny
-    config = parse_cluster_args({"model": path, "kv_transfer": "local", "block_size": 4, "max_num_batched_tokens": 16,
-                                 "speculative_method": "draft_head", "num_speculative_tokens": K,
-                                 "speculative_model": head, "enable_prefix_caching": False}, use_env=False)
-    prefill = PrefillWorker(config, engine_id=f"p-{uuid.uuid4().hex[:6]}")
-    decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=prefill.prefill)
     prompts = train_prompts()[:6]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-
-    async def run():
-        async def one(i, p):
-            tokens = []
-            async for out in decode.generate(GenerateRequest(f"r{i}", p, params)):
-                assert not out.error, out.error
-                tokens += out.new_token_ids
-            return tokens
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    try:
-        got = asyncio.run(run())
+    with local_pd_workers({"model": path, "block_size": 4, "max_num_batched_tokens": 16,
+                           "speculative_method": "draft_head", "num_speculative_tokens": K,
+                           "speculative_model": head, "enable_prefix_caching": False}) as (prefill, decode):
+        got = generate_disaggregated(decode, prompts, params)
         want = [o.outputs[0].token_ids for o in LLM(path, block_size=4).generate(prompts, params)]
         assert got == want
         engine = decode.engine.engine
@@ -266,9 +248,6 @@ def test_prefill_hands_the_head_its_state_and_decode_recomputes_nothing(tiny):
         assert drafter.num_positions <= outputs + (K - 1) * engine.spec_stats.num_drafts
         assert engine.spec_stats.num_accepted_tokens > 0
         assert prefill.engine.engine.runner.drafter.num_positions >= sum(len(p) for p in prompts)
-    finally:
-        decode.shutdown()
-        prefill.shutdown()
 
 
 @pytest.mark.gpu

@@ -35,7 +35,7 @@ from cluster.engine.request import Request
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tests.deepseek_factories import SWA, add_dspark, copy_checkpoint, edit_config, edit_tensors, \
     make_v4_checkpoint, v4_config
-from tests.factories import mixed_prompts, output_summary, run_with_aborts
+from tests.factories import generate_disaggregated, local_pd_workers, mixed_prompts, output_summary, run_with_aborts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCK = 5
@@ -373,47 +373,28 @@ def run_disaggregated(v4: str, prompts, params, tamper=None):
     """Generate through a prefill worker and a decode worker (``local`` transfer); ``tamper(blob)``
     edits each hand-over on its way. Returns (outputs, decode engine, prefill engine, the prompt
     positions decode computed)."""
-    import asyncio
-    import uuid
+    def wrap(prefill_fn):
+        async def tampered(*args, **kwargs):
+            result = await prefill_fn(*args, **kwargs)
+            if tamper is not None and getattr(result, "draft_hidden", None) is not None:
+                result.draft_hidden = tamper(result.draft_hidden)
+            return result
+        return tampered
+    prompt_rows: list[int] = []
+    with local_pd_workers({"model": v4, "block_size": 4, "max_num_batched_tokens": 16, "speculative_method": "dspark",
+                           "num_speculative_tokens": BLOCK, "enable_prefix_caching": False}, wrap) as (prefill, decode):
+        engine = decode.engine.engine
+        execute = engine.runner.execute
 
-    from cluster.common.messages import GenerateRequest
-    from cluster.config import parse_cluster_args
-    from cluster.decode.worker import DecodeWorker
-    from cluster.prefill.worker import PrefillWorker
-    config = parse_cluster_args({"model": v4, "kv_transfer": "local", "block_size": 4, "max_num_batched_tokens": 16,
-                                 "speculative_method": "dspark", "num_speculative_tokens": BLOCK,
-                                 "enable_prefix_caching": False}, use_env=False)
-    prefill = PrefillWorker(config, engine_id=f"p-{uuid.uuid4().hex[:6]}")
-
-    async def prefill_fn(*args, **kwargs):
-        result = await prefill.prefill(*args, **kwargs)
-        if tamper is not None and getattr(result, "draft_hidden", None) is not None:
-            result.draft_hidden = tamper(result.draft_hidden)
-        return result
-    decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=prefill_fn)
-    engine = decode.engine.engine
-    prompt_rows = []
-    execute = engine.runner.execute
-
-    def spy(sched):
-        for s in sched.scheduled:
-            prompt_rows.append(max(0, s.request.num_prompt_tokens - s.num_computed_tokens))
-        return execute(sched)
-    engine.runner.execute = spy
-
-    async def run():
-        async def one(i, p):
-            tokens = []
-            async for out in decode.generate(GenerateRequest(f"r{i}", p, params)):
-                assert not out.error, out.error
-                tokens += out.new_token_ids
-            return tokens
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    try:
-        got = asyncio.run(run())
-    finally:
-        decode.shutdown()
-        prefill.shutdown()
+        def spy(sched):
+            for s in sched.scheduled:
+                prompt_rows.append(max(0, s.request.num_prompt_tokens - s.num_computed_tokens))
+            return execute(sched)
+        engine.runner.execute = spy
+        try:
+            got = generate_disaggregated(decode, prompts, params)
+        finally:
+            del engine.runner.execute  # the spy refers back to the runner: a cycle
     return got, engine, prefill.engine.engine, prompt_rows
 
 

@@ -16,16 +16,13 @@ windows and blocks:
   decode the layer's state, so decode recomputes nothing of the prompt."""
 from __future__ import annotations
 
-import asyncio
-import uuid
-
 import pytest
 import torch
 
 from cluster import LLM, SamplingParams
 from tests.deepseek_factories import make_v4_checkpoint
 from tests.engine.test_spec_decode import Oracle
-from tests.factories import mixed_prompts, output_summary, run_with_aborts
+from tests.factories import generate_disaggregated, local_pd_workers, mixed_prompts, output_summary, run_with_aborts
 from tests.models.test_deepseek_v4_mtp import add_mtp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -145,27 +142,10 @@ def test_mtp_with_aborts_frees_every_block(v4):
 
 
 def test_prefill_hands_the_mtp_state_to_decode_which_recomputes_nothing(v4):
-    from cluster.common.messages import GenerateRequest
-    from cluster.config import parse_cluster_args
-    from cluster.decode.worker import DecodeWorker
-    from cluster.prefill.worker import PrefillWorker
-    config = parse_cluster_args({"model": v4, "kv_transfer": "local", "block_size": 4, "max_num_batched_tokens": 16,
-                                 "speculative_method": "mtp", "num_speculative_tokens": 2,
-                                 "enable_prefix_caching": False}, use_env=False)
-    prefill = PrefillWorker(config, engine_id=f"p-{uuid.uuid4().hex[:6]}")
-    decode = DecodeWorker(config, engine_id=f"d-{uuid.uuid4().hex[:6]}", prefill_fn=prefill.prefill)
     params = greedy(20)
-
-    async def run():
-        async def one(i, p):
-            tokens = []
-            async for out in decode.generate(GenerateRequest(f"r{i}", p, params)):
-                assert not out.error, out.error
-                tokens += out.new_token_ids
-            return tokens
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
-    try:
-        got = asyncio.run(run())
+    with local_pd_workers({"model": v4, "block_size": 4, "max_num_batched_tokens": 16, "speculative_method": "mtp",
+                           "num_speculative_tokens": 2, "enable_prefix_caching": False}) as (prefill, decode):
+        got = generate_disaggregated(decode, PROMPTS, params)
         want = [o.outputs[0].token_ids for o in LLM(v4, block_size=4).generate(PROMPTS, params)]
         assert got == want
         engine = decode.engine.engine
@@ -175,6 +155,3 @@ def test_prefill_hands_the_mtp_state_to_decode_which_recomputes_nothing(v4):
         outputs = sum(len(t) for t in got)
         assert drafter.num_positions <= outputs + (2 - 1) * engine.spec_stats.num_drafts
         assert prefill.engine.engine.runner.drafter.num_positions >= sum(len(p) for p in PROMPTS) - len(PROMPTS)
-    finally:
-        decode.shutdown()
-        prefill.shutdown()
