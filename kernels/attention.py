@@ -12,7 +12,9 @@ A batch is a flat run of query tokens: sequence ``i`` owns query rows
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,14 +46,34 @@ class PagedAttentionMetadata:
 def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor) -> None:
     """Scatter new keys/values ``[T, Hkv, D]`` into their slots. Slots < 0 are skipped (padding)."""
-    block_size = k_cache.shape[1]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping % block_size
+    keep, blocks, offsets = _split_slots(slot_mapping, k_cache.shape[1])
+    if keep is not None:
+        k, v = k[keep], v[keep]
     k_cache[blocks, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, offsets] = v.to(v_cache.dtype)
+
+
+#: The last slot mapping split into (rows kept, blocks, offsets), with what it was computed from:
+#: every layer of a step writes the same slots, so a step splits them once, not once per layer
+#: (on a CPU, where this path serves every step, the split cost more than the write).
+_last_split: tuple[Any, int, int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] | None = None
+
+
+def _split_slots(slot_mapping: torch.Tensor, block_size: int
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    global _last_split
+    version = None if slot_mapping.is_inference() else slot_mapping._version  # inference tensors have none
+    last = _last_split
+    if version is not None and last is not None and last[0]() is slot_mapping and last[1] == version \
+            and last[2] == block_size:
+        return last[3]
+    valid = slot_mapping >= 0
+    keep = None if bool(valid.all()) else valid
+    slots = slot_mapping if keep is None else slot_mapping[keep]
+    split = (keep, torch.div(slots, block_size, rounding_mode="floor"), slots % block_size)
+    if version is not None:
+        _last_split = (weakref.ref(slot_mapping), version, block_size, split)
+    return split
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -85,12 +107,21 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: PagedAttentionMetadata, scale: float,
                     sliding_window: int | None) -> torch.Tensor:
-    """One query token per sequence: gather every sequence's blocks at once and mask the padding."""
+    """One query token per sequence: gather every sequence's blocks at once and mask the padding.
+
+    The gather is one ``index_select`` over the blocks' flat list (a block's entries are
+    contiguous, whatever the layer stride of the storage): advanced indexing with the ``[B, nb]``
+    table took about twice as long on a CPU, where this path serves every decode step. One
+    sequence with no window needs no mask: its keys are cut to its length."""
     block_size = k_cache.shape[1]
     num_blocks = (meta.max_seq_len + block_size - 1) // block_size
-    blocks = meta.block_tables[:, :num_blocks].long()  # [B, nb]
-    k = k_cache[blocks].flatten(1, 2)  # [B, nb * bs, Hkv, D]
-    v = v_cache[blocks].flatten(1, 2)
+    batch = q.shape[0]
+    blocks = meta.block_tables[:, :num_blocks].reshape(-1).long()  # [B * nb]
+    k = k_cache.index_select(0, blocks).view(batch, num_blocks * block_size, *k_cache.shape[2:])
+    v = v_cache.index_select(0, blocks).view(batch, num_blocks * block_size, *v_cache.shape[2:])
+    if batch == 1 and sliding_window is None:
+        seq_len = meta.seq_lens_cpu[0]
+        return _sdpa(q.unsqueeze(1), k[:, :seq_len], v[:, :seq_len], None, scale)[:, 0]
     k_pos = torch.arange(k.shape[1], device=q.device)
     seq_lens = meta.seq_lens.to(q.device).long()
     mask = k_pos[None, :] < seq_lens[:, None]  # [B, S]
@@ -100,10 +131,10 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out[:, 0]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float) -> torch.Tensor:
     """``q [B, Lq, Hq, D]``, ``k/v [B, Lk, Hkv, D]``, boolean ``mask`` broadcastable to
-    ``[B, Hq, Lq, Lk]`` -> ``[B, Lq, Hq, D]``."""
+    ``[B, Hq, Lq, Lk]`` (None: every key) -> ``[B, Lq, Hq, D]``."""
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     # GQA without materialising repeated K/V heads
     out = F.scaled_dot_product_attention(qt, kt.to(qt.dtype), vt.to(qt.dtype), attn_mask=mask, scale=scale,

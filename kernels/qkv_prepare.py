@@ -21,13 +21,15 @@ def qkv_prepare_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head
     [T, rot // 2]`` float32. The norms apply when their weights ``[D]`` are given."""
     t = qkv.shape[0]
     q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.reshape(t, num_q_heads, head_dim)
-    k = k.reshape(t, num_kv_heads, head_dim)
-    v = v.reshape(t, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].reshape(t, num_kv_heads, head_dim)
     if q_norm is not None and k_norm is not None:
-        q, k = rms_norm_ref(q, q_norm, eps)[0], rms_norm_ref(k, k_norm, eps)[0]
-    q = apply_rotary_ref(q, cos, sin, interleaved)
-    k = apply_rotary_ref(k, cos, sin, interleaved)
+        q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+        q = rms_norm_ref(q.reshape(t, num_q_heads, head_dim), q_norm, eps)[0]
+        k = rms_norm_ref(k.reshape(t, num_kv_heads, head_dim), k_norm, eps)[0]
+        q, k = apply_rotary_ref(q, cos, sin, interleaved), apply_rotary_ref(k, cos, sin, interleaved)
+    else:  # q's and k's heads side by side: one rotation for both (each head's rows alike)
+        qk = apply_rotary_ref(qkv[:, :q_size + kv_size].reshape(t, num_q_heads + num_kv_heads, head_dim), cos, sin,
+                              interleaved)
+        q, k = qk[:, :num_q_heads].contiguous(), qk[:, num_q_heads:]
     write_kv_cache(k_cache, v_cache, slot_mapping, k, v)
     return q
