@@ -43,6 +43,7 @@ class DecodeServer:
             node_id=ray.get_runtime_context().get_node_id(), transfer_options=_transfer_options(config))
         self.state = state
         self.ttft, self.itl, self.prefill_queue = LatencyWindow(), LatencyWindow(), LatencyWindow()
+        self.demand = DemandWindow()
         self._reporter = asyncio.get_running_loop().create_task(
             report_forever(state, self.stats, self.worker.engine.backends))
 
@@ -58,10 +59,14 @@ class DecodeServer:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         last_token: dict[int, float] = {}  # per sample
+        self.demand.arrive(len(request.prompt_token_ids))
+        generated = 0
         async for out in self.worker.generate(request):
             if out.new_token_ids:
                 last_token[out.sample_index] = self._observe_latency(request, out, last_token.get(out.sample_index))
+                generated += len(out.new_token_ids)
             yield out
+        self.demand.complete(generated)
 
     def _observe_latency(self, request: GenerateRequest, out: StepOutput, last_token: float | None) -> float:
         """TTFT from the ingress's arrival time, the gap since the previous output (ITL, one per
@@ -81,7 +86,7 @@ class DecodeServer:
     async def stats(self) -> ReplicaStats:
         s = await self.worker.stats(self.replica_id)
         s.extra.update(ttft_p90_seconds=self.ttft.p90(), itl_p90_seconds=self.itl.p90(),
-                       prefill_queue_p90_seconds=self.prefill_queue.p90())
+                       prefill_queue_p90_seconds=self.prefill_queue.p90(), **self.demand.summary())
         return s
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -93,7 +98,8 @@ class DecodeServer:
         return {"num_requests_waiting": float(s.num_requests_waiting),
                 "kv_cache_usage_perc": float(s.kv_cache_usage_perc),
                 **{key: float(s.extra[key])
-                   for key in ("ttft_p90_seconds", "itl_p90_seconds", "prefill_queue_p90_seconds")}}
+                   for key in ("ttft_p90_seconds", "itl_p90_seconds", "prefill_queue_p90_seconds",
+                               *DemandWindow.KEYS)}}
 
     async def check_health(self) -> None:
         if self.worker.engine.dead is not None:
@@ -149,3 +155,39 @@ class LatencyWindow:
             self._samples.popleft()
         values = sorted(v for _, v in self._samples)
         return values[math.ceil(0.9 * len(values)) - 1] if values else 0.0
+
+
+class DemandWindow:
+    """What arrived at this replica over the last ``window_s``: the arrival rate, the mean prompt
+    tokens of those requests, and the mean output tokens (every sample's) of the requests that
+    completed in the window (an output's length is known only at its end). The planner sums the
+    rates over the decode replicas (every request is decoded by exactly one) for its predictive
+    sizing (DistServe's and Dynamo's inputs)."""
+
+    KEYS = ("arrival_rps", "prompt_tokens_mean", "output_tokens_mean")
+
+    def __init__(self, window_s: float = LATENCY_WINDOW_S, max_samples: int = 8192, now: float | None = None) -> None:
+        self.window_s = window_s
+        self.started = time.monotonic() if now is None else now
+        self._arrivals: deque[tuple[float, int]] = deque(maxlen=max_samples)
+        self._completions: deque[tuple[float, int]] = deque(maxlen=max_samples)
+
+    def arrive(self, prompt_tokens: int, now: float | None = None) -> None:
+        self._arrivals.append((time.monotonic() if now is None else now, prompt_tokens))
+
+    def complete(self, output_tokens: int, now: float | None = None) -> None:
+        self._completions.append((time.monotonic() if now is None else now, output_tokens))
+
+    def summary(self, now: float | None = None) -> dict[str, float]:
+        now = time.monotonic() if now is None else now
+        for samples in (self._arrivals, self._completions):
+            while samples and now - samples[0][0] > self.window_s:
+                samples.popleft()
+        # over the window, or the replica's life if shorter, or the span kept if the deque is full
+        span = min(self.window_s, now - self.started)
+        if self._arrivals and len(self._arrivals) == self._arrivals.maxlen:
+            span = min(span, now - self._arrivals[0][0])
+        arrivals, done = self._arrivals, self._completions
+        return {"arrival_rps": len(arrivals) / span if span > 0 else 0.0,
+                "prompt_tokens_mean": sum(n for _, n in arrivals) / len(arrivals) if arrivals else 0.0,
+                "output_tokens_mean": sum(n for _, n in done) / len(done) if done else 0.0}

@@ -58,6 +58,9 @@ DEPLOYMENTS: dict[str, Role] = {"PrefillServer": "prefill", "DecodeServer": "dec
 WAITING, KV_USAGE = "num_requests_waiting", "kv_cache_usage_perc"
 #: Metrics decode replicas add: recent p90s, in seconds (0 when there were no samples).
 TTFT, ITL, PREFILL_QUEUE = "ttft_p90_seconds", "itl_p90_seconds", "prefill_queue_p90_seconds"
+#: ...and what arrived at them over the same window (cluster.decode.server.DemandWindow): the
+#: planner's Demand, summed over the decode replicas.
+ARRIVAL_RPS, PROMPT_TOKENS, OUTPUT_TOKENS = "arrival_rps", "prompt_tokens_mean", "output_tokens_mean"
 #: Key of the planner's state in each deployment's Ray policy state.
 STATE_KEY = "pd_planner"
 #: Ray averages each replica's reports over this window.
@@ -431,7 +434,7 @@ def plan_application(contexts: dict[DeploymentID, AutoscalingContext]
         prefill = role_load(roles["prefill"])
     elif settings.has_prefill:  # not deployed yet: hold it
         prefill = RoleLoad(settings.min_prefill, reported=False)
-    obs = Observation(decode=role_load(decode), prefill=prefill, **_latencies(decode))
+    obs = Observation(decode=role_load(decode), prefill=prefill, demand=demand(decode), **_latencies(decode))
     state = PlannerState.from_dict(next((c.policy_state.get(STATE_KEY) for c in roles.values()
                                          if c.policy_state.get(STATE_KEY)), None))
     decision = plan(obs, settings, state, _now(decode))
@@ -456,7 +459,8 @@ def plan_deployment(ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
     if role == "prefill":
         obs = Observation(decode=other, prefill=load)
     else:
-        obs = Observation(decode=load, prefill=other if settings.has_prefill else None, **_latencies(ctx))
+        obs = Observation(decode=load, prefill=other if settings.has_prefill else None, demand=demand(ctx),
+                          **_latencies(ctx))
     saved = dict(ctx.policy_state.get(STATE_KEY) or {})
     if not saved.pop("warned", False):
         logger.warning("planner: no application-level policy, so %s scales alone within %d replicas; name "
@@ -477,6 +481,26 @@ def role_load(ctx: AutoscalingContext) -> RoleLoad:
     return RoleLoad(replicas=ctx.target_num_replicas, ready_replicas=ready, reported=bool(waiting),
                     waiting=_mean(waiting) + queued / max(1, ready),
                     kv_usage=max((metrics.get(KV_USAGE) or {}).values(), default=0.0))
+
+
+def demand(decode: AutoscalingContext) -> Demand | None:
+    """The application's demand from its decode replicas' reports: arrival rates summed (each
+    request is decoded by one replica), token means weighted by them. None before any report, or
+    while requests arrive but none has completed yet (output length unknown)."""
+    metrics = decode.aggregated_metrics or {}
+    rates = metrics.get(ARRIVAL_RPS) or {}
+    if not rates:
+        return None
+    total = sum(rates.values())
+    if total <= 0:
+        return Demand(0.0, 0.0, 0.0)
+
+    def weighted(name: str) -> float:  # over the replicas that have a value (no completion yet: none)
+        values = {r: v for r, v in (metrics.get(name) or {}).items() if v > 0 and r in rates}
+        weight = sum(rates[r] for r in values)
+        return sum(rates[r] * v for r, v in values.items()) / weight if weight > 0 else 0.0
+    prompt, output = weighted(PROMPT_TOKENS), weighted(OUTPUT_TOKENS)
+    return Demand(total, prompt, output) if output > 0 else None
 
 
 def _latencies(decode: AutoscalingContext) -> dict[str, float]:

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import time
 import socket
 import subprocess
 import sys
@@ -412,11 +413,12 @@ class FakeWorker:
 
 
 def test_decode_replicas_report_what_the_planner_reads():
-    from cluster.decode.server import DecodeServer, LatencyWindow
+    from cluster.decode.server import DecodeServer, DemandWindow, LatencyWindow
 
     server = object.__new__(DecodeServer.func_or_class)
     server.replica_id, server.worker = "d0", FakeWorker("decode")
     server.ttft, server.itl, server.prefill_queue = LatencyWindow(), LatencyWindow(), LatencyWindow()
+    server.demand = DemandWindow(now=time.monotonic() - 10.0)  # up for 10 s
 
     async def run() -> dict[str, float]:
         request = GenerateRequest("r1", [1, 2, 3], SamplingParams(max_tokens=3))
@@ -425,8 +427,12 @@ def test_decode_replicas_report_what_the_planner_reads():
         return await server.record_autoscaling_stats()
 
     reported = asyncio.run(run())
-    assert set(reported) == {planner.WAITING, planner.KV_USAGE, planner.TTFT, planner.ITL, planner.PREFILL_QUEUE}
+    assert set(reported) == {planner.WAITING, planner.KV_USAGE, planner.TTFT, planner.ITL, planner.PREFILL_QUEUE,
+                             planner.ARRIVAL_RPS, planner.PROMPT_TOKENS, planner.OUTPUT_TOKENS}
     assert reported[planner.TTFT] >= 0.5 and reported[planner.PREFILL_QUEUE] == 0.2
+    # one request of 3 prompt tokens in the 10 s the replica has been up, 3 tokens out
+    assert reported[planner.ARRIVAL_RPS] == pytest.approx(0.1, rel=0.01)
+    assert reported[planner.PROMPT_TOKENS] == 3.0 and reported[planner.OUTPUT_TOKENS] == 3.0
     assert reported[planner.KV_USAGE] == 0.25 and all(isinstance(v, float) for v in reported.values())
 
 
@@ -448,6 +454,46 @@ def test_latency_window_reports_a_recent_p90():
         window.add(i / 10, now=float(i))
     assert window.p90(now=10.0) == 0.9
     assert window.p90(now=45.0) == 0.0  # all older than the window
+
+
+def test_demand_window_reports_rate_and_token_means_of_its_window():
+    from cluster.decode.server import DemandWindow
+
+    window = DemandWindow(window_s=30.0, now=0.0)
+    assert window.summary(now=0.0) == {"arrival_rps": 0.0, "prompt_tokens_mean": 0.0, "output_tokens_mean": 0.0}
+    for i in range(20):  # 2 requests a second for 10 s, prompts of 100 and 300 tokens
+        window.arrive(100 if i % 2 else 300, now=i / 2)
+    for i in range(5):
+        window.complete(50, now=5.0 + i)
+    got = window.summary(now=10.0)
+    assert got == {"arrival_rps": 2.0, "prompt_tokens_mean": 200.0, "output_tokens_mean": 50.0}  # over 10 s up
+    assert window.summary(now=35.0)["arrival_rps"] == pytest.approx(10 / 30)  # those of the last 30 s
+    assert window.summary(now=100.0)["arrival_rps"] == 0.0
+    full = DemandWindow(window_s=30.0, max_samples=4, now=0.0)
+    for i in range(10):
+        full.arrive(10, now=20.0 + i)
+    assert full.summary(now=29.0)["arrival_rps"] == pytest.approx(4 / 3)  # over the 3 s the kept samples span
+
+
+def test_application_policy_sizes_from_the_replicas_demand():
+    """Decode replicas' arrival rates are summed (each request is decoded by one), their token means
+    weighted by rate; with a profile the planner predicts from them. 2 replicas x 2 req/s of 4,000
+    prompt and 150 output tokens = 4 req/s: prefill 4 x 4,000 / (10,000 x 0.8) = 2, decode
+    4 x 150 / (1,000 x 0.8) = 0.75 -> 1."""
+    s = profiled(max_total_replicas=None)
+    reports = {**decode_metrics(itl=0.05), planner.ARRIVAL_RPS: 2.0, planner.PROMPT_TOKENS: 4000.0,
+               planner.OUTPUT_TOKENS: 150.0}
+    decode = make_context("DecodeServer", 2, reports, settings=s)
+    assert planner.demand(decode) == planner.Demand(4.0, 4000.0, 150.0)
+    contexts = [make_context("PrefillServer", 4, load(), settings=s), decode]
+    decisions, _ = planner.plan_application({c.deployment_id: c for c in contexts})
+    assert by_name(decisions)["PrefillServer"] == 2
+    # before any report, or with arrivals but no completion yet: no demand (reactive rules alone)
+    assert planner.demand(make_context("DecodeServer", 2, decode_metrics(), settings=s)) is None
+    waiting = make_context("DecodeServer", 2, {**reports, planner.OUTPUT_TOKENS: 0.0}, settings=s)
+    assert planner.demand(waiting) is None
+    idle = make_context("DecodeServer", 2, {**reports, planner.ARRIVAL_RPS: 0.0}, settings=s)
+    assert planner.demand(idle) == planner.Demand(0.0, 0.0, 0.0)
 
 
 # --- in Ray's controller ----------------------------------------------------------------------------------
