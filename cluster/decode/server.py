@@ -138,8 +138,8 @@ class OtherNodes:
 
 
 class LatencyWindow:
-    """Recent samples of one latency, in seconds: those of the last ``window_s`` (at most
-    ``max_samples``), summarized as a p90 for the planner and /metrics."""
+    """Recent samples of one value (a latency in seconds; DemandWindow's token counts): those of
+    the last ``window_s`` (at most ``max_samples``), summarized as a p90 for the planner and /metrics."""
 
     def __init__(self, window_s: float = LATENCY_WINDOW_S, max_samples: int = 2048) -> None:
         self.window_s = window_s
@@ -148,12 +148,16 @@ class LatencyWindow:
     def add(self, seconds: float, now: float | None = None) -> None:
         self._samples.append((time.monotonic() if now is None else now, seconds))
 
-    def p90(self, now: float | None = None) -> float:
-        """The 90th percentile (nearest rank) of the window's samples; 0.0 when there are none."""
+    def recent(self, now: float | None = None) -> deque[tuple[float, float]]:
+        """The window's ``(time, value)`` samples, oldest first (older ones dropped)."""
         now = time.monotonic() if now is None else now
         while self._samples and now - self._samples[0][0] > self.window_s:
             self._samples.popleft()
-        values = sorted(v for _, v in self._samples)
+        return self._samples
+
+    def p90(self, now: float | None = None) -> float:
+        """The 90th percentile (nearest rank) of the window's samples; 0.0 when there are none."""
+        values = sorted(v for _, v in self.recent(now))
         return values[math.ceil(0.9 * len(values)) - 1] if values else 0.0
 
 
@@ -169,25 +173,22 @@ class DemandWindow:
     def __init__(self, window_s: float = LATENCY_WINDOW_S, max_samples: int = 8192, now: float | None = None) -> None:
         self.window_s = window_s
         self.started = time.monotonic() if now is None else now
-        self._arrivals: deque[tuple[float, int]] = deque(maxlen=max_samples)
-        self._completions: deque[tuple[float, int]] = deque(maxlen=max_samples)
+        self.arrivals = LatencyWindow(window_s, max_samples)  # prompt tokens per arrival
+        self.completions = LatencyWindow(window_s, max_samples)  # output tokens per completion
 
     def arrive(self, prompt_tokens: int, now: float | None = None) -> None:
-        self._arrivals.append((time.monotonic() if now is None else now, prompt_tokens))
+        self.arrivals.add(prompt_tokens, now)
 
     def complete(self, output_tokens: int, now: float | None = None) -> None:
-        self._completions.append((time.monotonic() if now is None else now, output_tokens))
+        self.completions.add(output_tokens, now)
 
     def summary(self, now: float | None = None) -> dict[str, float]:
         now = time.monotonic() if now is None else now
-        for samples in (self._arrivals, self._completions):
-            while samples and now - samples[0][0] > self.window_s:
-                samples.popleft()
+        arrivals, done = self.arrivals.recent(now), self.completions.recent(now)
         # over the window, or the replica's life if shorter, or the span kept if the deque is full
         span = min(self.window_s, now - self.started)
-        if self._arrivals and len(self._arrivals) == self._arrivals.maxlen:
-            span = min(span, now - self._arrivals[0][0])
-        arrivals, done = self._arrivals, self._completions
+        if arrivals and len(arrivals) == arrivals.maxlen:
+            span = min(span, now - arrivals[0][0])
         return {"arrival_rps": len(arrivals) / span if span > 0 else 0.0,
                 "prompt_tokens_mean": sum(n for _, n in arrivals) / len(arrivals) if arrivals else 0.0,
                 "output_tokens_mean": sum(n for _, n in done) / len(done) if done else 0.0}
