@@ -29,6 +29,7 @@ DSpark verify steps run synchronously (not pipelined, blocks not in graphs): fas
 from __future__ import annotations
 
 import argparse
+import gc
 import datetime
 import json
 import os
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 except Exception as exc:  # noqa: BLE001
                     result["errors"]["handover"] = repr(exc)
             del engine
+            gc.collect()  # an engine's cycles would keep its KV cache: the next engine's budget
             if on_gpu:
                 torch.cuda.empty_cache()
     for batch in batches:

@@ -25,6 +25,7 @@ accepted tokens per step with 3 drafts are reported for V4 (a ~ 0.85 per draft).
 from __future__ import annotations
 
 import argparse
+import gc
 import datetime
 import json
 import os
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for method, k in [("none", 0)] + [(method, k) for k in ks for method in ("verify", "mtp")]:
             engine = run_method(result, path, args.device, method, k, acceptance, batches, prompt, new)
             del engine
+            gc.collect()  # an engine's cycles would keep its KV cache: the next engine's budget
             if on_gpu:
                 torch.cuda.empty_cache()
     for batch in batches:

@@ -85,5 +85,22 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
                          "reason": f"the tied {embed_type} embedding as int8 with one scale per row "
                                    f"({q8.nbytes / 2**20:.0f} MiB); from {DENSE_LOGITS_FROM_ROWS} rows on, "
                                    f"its bfloat16 dequantization"})
+    if packed and hasattr(net, "cpu_decode"):
+        rows.append(_lean_decode(net))
     logger.info("CPU weights: %s", "; ".join(r["reason"] for r in rows))
     return rows
+
+
+def _lean_decode(net: nn.Module) -> dict[str, Any]:
+    """Give ``net`` (a Llama-family model) its lean decode step where it applies; the table row
+    says which path decode steps take and, if the layers, why."""
+    from cluster.models.llama_cpu_decode import LlamaCpuDecode, unsupported_reason
+    reason = unsupported_reason(net)
+    row = {"component": "decode_step", "op": "decode_step", "format": "gguf_q4_1", "device": "cpu", "role": "main"}
+    if reason is not None:
+        logger.warning("CPU decode steps run layer by layer (the lean path does not apply: %s)", reason)
+        return {**row, "impl": "layers", "reason": f"fell back: the lean decode step does not apply ({reason})"}
+    net.cpu_decode = LlamaCpuDecode(net)
+    return {**row, "impl": "lean_cpu_decode",
+            "reason": "decode-only steps in one pass with fewer torch ops (shared per-step tables, fused norms, "
+                      "one-flip rotation); same numbers as the layers"}

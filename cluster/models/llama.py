@@ -154,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         #: kernel table rows of the quantized weights.
         self.quantized_logits: Q8Weight | None = None
         self.quantized_kernels: list[dict[str, Any]] = []
+        #: CPU only: decode-only steps in fewer ops (cluster.models.llama_cpu_decode), or None.
+        self.cpu_decode: Any = None
 
     def quantize_logits(self, weight: Q8Weight) -> None:
         self.quantized_logits = weight
@@ -190,6 +192,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``input_ids [T]`` -> final hidden states ``[T, H]``."""
+        if self.cpu_decode is not None and self.cpu_decode.applies(ctx, input_ids.shape[0]):
+            return self.cpu_decode.forward(input_ids, ctx)
         x = self.embed_tokens(input_ids)
         rope = rope_cos_sin(self.inv_freq, ctx.positions)  # once per step, shared by every layer
         residual: torch.Tensor | None = None
