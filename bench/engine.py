@@ -8,7 +8,8 @@ once every request is decoding). transformers: the same prompts, padded left, gr
 tokens - time for 1 new token) / N.
 
 Two paths of ours: the default on a CPU (the file's Q4_1 projections kept 4-bit, the Q8_0
-logits projection int8: cluster.models.cpu_quant) and ``dtype="float32"`` (everything
+logits projection int8: cluster.models.cpu_quant; decode-only steps through the lean decode step,
+cluster.models.llama_cpu_decode: ``fast_paths`` counts its steps) and ``dtype="float32"`` (everything
 dequantized; the transformers anchor is on these same float32 weights). llama.cpp
 (``llama-cpp-python``, when installed: skipped with a note otherwise) runs the same GGUF file,
 one request at a time, with as many threads as torch. Also: start-up to the first token, the
@@ -184,7 +185,8 @@ def main() -> None:
         "paths": {"ours": "default on a CPU: Q4_1 projections kept 4-bit (torch _weight_int4pack_mm_for_cpu), "
                           "tied Q8_0 logits int8 per row (_weight_int8pack_mm), float32 elsewhere",
                   "ours_float32": "dtype=float32: every weight dequantized (transformers' weights)"},
-        "kernels": [r for r in llm.engine.model.kernel_choices() if r["component"] in ("linear", "logits")],
+        "kernels": [r for r in llm.engine.model.kernel_choices()
+                    if r["component"] in ("linear", "logits", "decode_step")],
         "new_tokens": args.new_tokens, "repeats": args.repeats, "environment": environment(),
         "startup_to_first_token_s": {"ours": startup_q, "ours_float32": startup_f32},
         "copy_bandwidth_gb_s": bandwidth,
@@ -227,6 +229,10 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row))
     results["rows"] = rows
+    lean = getattr(llm.engine.model, "cpu_decode", None)
+    results["fast_paths"] = {  # which path the default's steps took (a silent fallback is not a result)
+        "lean_cpu_decode_steps": lean.num_steps if lean is not None else 0,
+        "eager_steps": llm.engine.runner.num_eager_steps}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

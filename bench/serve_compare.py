@@ -1,12 +1,15 @@
 """Disaggregated against colocated serving on one machine, with the cost of Ray measured too.
 
-Three deployments of the same model, each driven by bench/serve.py with the same workload:
-  local       the OpenAI server over one in-process engine (no Ray): the anchor
+The offline engine and three deployments of the same model, with the same workload:
+  offline     ``LLM.generate`` on the load run's prompts, at most ``--concurrency`` in flight
+              (``max_num_seqs``): the engine with no server at all (its output tok/s only)
+  local       the OpenAI server over one in-process engine (no Ray): the latency anchor
   colocated   the Ray Serve application with prefill_replicas=0 (decode prefills everything)
   disagg      the Ray Serve application, 1 prefill + 1 decode replica, KV over ``kv_transfer``
 Each runs a latency probe (one request at a time: TTFT with no queueing) and a load run
 (``--concurrency`` requests in flight). TTFT added by Ray = colocated - local (probe medians);
-TTFT added by disaggregation = disagg - colocated (probe medians); plus throughput and goodput.
+TTFT added by disaggregation = disagg - colocated (probe medians); plus throughput and goodput,
+and each deployment's load-run output tok/s over the offline engine's (what serving costs).
 
     python bench/serve_compare.py --out bench/results/serve-cpu-<date>.json
 """
@@ -25,7 +28,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment  # noqa: E402
-from bench.serve import BenchConfig, plot_results, run_benchmark  # noqa: E402
+from bench.serve import BenchConfig, build_prompts, plot_results, run_benchmark  # noqa: E402
 
 try:
     import httpx
@@ -94,6 +97,29 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(3)
 
 
+def run_offline(args: argparse.Namespace) -> dict[str, Any]:
+    """The load run's requests (same seed: same prompts and output lengths) through the offline
+    engine, ``--concurrency`` at a time, after the same two warm-up requests."""
+    from cluster import LLM, SamplingParams
+    config = BenchConfig(base_url="", model=args.model, input_len=args.input_len, output_len=args.output_len,
+                         input_len_range=0.5, num_requests=args.num_requests, concurrency=args.concurrency,
+                         seed=args.seed, warmup=2)
+    prompts = build_prompts(config)
+    warmup, timed = prompts[:config.warmup], prompts[config.warmup:]
+    llm = LLM(args.model, max_num_seqs=args.concurrency)
+
+    def params(out_len: int) -> Any:
+        return SamplingParams(max_tokens=out_len, temperature=config.temperature, ignore_eos=True)
+    llm.generate([p for p, _, _ in warmup], [params(n) for _, _, n in warmup])
+    start = time.perf_counter()
+    outputs = llm.generate([p for p, _, _ in timed], [params(n) for _, _, n in timed])
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"offline: {tokens / wall:.1f} output tok/s")
+    return {"output_token_throughput_tps": tokens / wall, "output_tokens": tokens, "wall_s": wall,
+            "max_num_seqs": args.concurrency}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -110,6 +136,7 @@ def main() -> None:
     parser.add_argument("--out", default=f"bench/results/serve-cpu-{datetime.date.today()}.json")
     parser.add_argument("--plot", help="PNG of the load runs' latency CDFs and percentiles (default: next to --out)")
     args = parser.parse_args()
+    offline = run_offline(args)
     runs = {kind: run_one(kind, args) for kind in ("local", "colocated", "disagg")}
     p50 = {k: v["probe"]["ttft_s"]["p50"] for k, v in runs.items()}
     summary = {
@@ -117,12 +144,15 @@ def main() -> None:
         "ttft_added_by_ray_s": p50["colocated"] - p50["local"],
         "ttft_added_by_disaggregation_s": p50["disagg"] - p50["colocated"],
         "load_output_tok_s": {k: v["load"]["output_token_throughput_tps"] for k, v in runs.items()},
+        "offline_output_tok_s": offline["output_token_throughput_tps"],
+        "load_output_over_offline": {k: v["load"]["output_token_throughput_tps"] / offline["output_token_throughput_tps"]
+                                     for k, v in runs.items()},
         "load_goodput_rps": {k: v["load"]["goodput_rps"] for k, v in runs.items()},
         "load_ttft_p50_s": {k: v["load"]["ttft_s"]["p50"] for k, v in runs.items()},
         "load_itl_p50_s": {k: v["load"]["itl_s"]["p50"] for k, v in runs.items()},
     }
     result = {"benchmark": "serve-disagg-vs-colocated", "model": args.model, "kv_transfer": args.kv_transfer,
-              "command": " ".join(sys.argv), "environment": environment(), "summary": summary, "runs": runs,
+              "command": " ".join(sys.argv), "environment": environment(), "summary": summary, "offline": offline, "runs": runs,
               "note": "one machine: prefill and decode replicas share its CPU cores, so disaggregation here "
                       "measures its overheads (transfer, extra hops), not the interference it removes on GPUs"}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
