@@ -204,6 +204,9 @@ def make_requests(phases: list[Phase], seed: int = 0, max_len: int = 16384) -> d
 # --- the simulator ---------------------------------------------------------------------------------
 
 WAIT, PREFILL, TRANSFER, DECODE, DONE = 0, 1, 2, 3, 4
+#: The comparison's default ``Simulation.local_prefill_wait`` (``--local-prefill-wait``): prefill on
+#: the decode replica once the prefill pool's expected wait passes half the TTFT target.
+LOCAL_PREFILL_WAIT = 0.5
 
 
 @dataclass
@@ -223,7 +226,8 @@ class Simulation:
                  colocated: bool = False, planner: PlannerSettings | None = None, dt: float = 0.02,
                  interval_s: float = 10.0, ttft_target: float = 1.0, itl_target: float = 0.05,
                  shared_gpu: bool = False, gpus: int | None = None, demand_window: float | None = None,
-                 prefill_max_ongoing: int = 512, graceful_shutdown_s: float = 20.0) -> None:
+                 prefill_max_ongoing: int = 512, graceful_shutdown_s: float = 20.0,
+                 local_prefill_wait: float | None = None) -> None:
         self.c, self.r, self.dt = costs, requests, dt
         self.colocated, self.settings, self.interval = colocated, planner, interval_s
         self.ttft_target, self.itl_target, self.shared_gpu = ttft_target, itl_target, shared_gpu
@@ -236,9 +240,18 @@ class Simulation:
         self.prefill_max_ongoing = prefill_max_ongoing
         #: Serve's graceful_shutdown_timeout_s (default 20): a draining replica is stopped after it.
         self.graceful_shutdown_s = graceful_shutdown_s
+        #: Queue-aware conditional disaggregation (as Dynamo's router: prefill on the decode worker
+        #: when the prefill queue is long): in a disaggregated cluster, a request whose expected wait
+        #: for the prefill pool (its queued prompt tokens, the handle's included, over the ready
+        #: replicas' prefill rate) exceeds this fraction of the TTFT target is prefilled by its decode
+        #: replica, chunked with that replica's decode batch as a colocated replica does. None: never.
+        self.local_prefill_wait = (local_prefill_wait if local_prefill_wait is not None
+                                   and math.isfinite(local_prefill_wait) and not colocated else None)
         self.failed = 0
         self.handle_queue: deque[int] = deque()
+        self.handle_tokens = 0.0  # prompt tokens of the requests waiting at the prefill handle
         n = len(requests["arrival"])
+        self.local = np.zeros(n, dtype=bool)  # prefilled on its decode replica
         self.state = np.full(n, -1)  # -1: not arrived
         self.decode_of = np.full(n, -1)
         self.generated = np.zeros(n)
@@ -277,7 +290,7 @@ class Simulation:
         role = "colocated" if self.colocated else "decode"
         decodes = self._ready(role, now)
         prefills = decodes if self.colocated else self._ready("prefill", now)
-        if not decodes or not prefills:
+        if not decodes or (not prefills and self.local_prefill_wait is None):
             return
         self._dispatch(prefills, now)
         free = np.array([self.c.kv_tokens - self.replicas[i].kv_used for i in decodes])
@@ -299,9 +312,28 @@ class Simulation:
             self.state[rid] = PREFILL
             if self.colocated:
                 self._enqueue(d, rid)
+            elif self._prefill_locally(d, prefills, rid):
+                self.local[rid] = True
+                self._enqueue(d, rid)
             else:
                 self.handle_queue.append(rid)
+                self.handle_tokens += float(self.r["prompt"][rid])
                 self._dispatch(prefills, now)
+
+    def _prefill_locally(self, d: int, prefills: list[int], rid: int) -> bool:
+        """The prefill pool is saturated: its expected wait (queued prompt tokens, at the handle
+        and on the ready prefill replicas, over their prefill rate at this prompt's length) exceeds
+        ``local_prefill_wait`` x the TTFT target, and the decode replica's own queue is shorter."""
+        if self.local_prefill_wait is None:
+            return False
+        per_token = self.c.prefill_seconds(1.0, float(self.r["prompt"][rid]))
+        if not prefills:
+            return True
+        queued = self.handle_tokens + sum(self.replicas[i].queued_tokens for i in prefills)
+        pool_wait = queued * per_token / len(prefills)
+        if pool_wait <= self.local_prefill_wait * self.ttft_target:
+            return False
+        return self.replicas[d].queued_tokens * per_token < pool_wait
 
     def _enqueue(self, p: int, rid: int) -> None:
         rep = self.replicas[p]
@@ -314,7 +346,9 @@ class Simulation:
             room = [i for i in prefills if len(self.replicas[i].queue) < self.prefill_max_ongoing]
             if not room:
                 return
-            self._enqueue(min(room, key=lambda i: self.replicas[i].queued_tokens), self.handle_queue.popleft())
+            rid = self.handle_queue.popleft()
+            self.handle_tokens -= float(self.r["prompt"][rid])
+            self._enqueue(min(room, key=lambda i: self.replicas[i].queued_tokens), rid)
 
     def _prefill(self, rep: Replica, seconds: float, now: float) -> float:
         """Run ``seconds`` of prefill on ``rep``'s FIFO; returns the seconds used."""
@@ -336,7 +370,7 @@ class Simulation:
             rep.queued_tokens -= left
             rep.head_done = 0.0
             done_at = now + used
-            landed = done_at if self.colocated else done_at + self.c.transfer_seconds(prompt)
+            landed = done_at if rep.role != "prefill" else done_at + self.c.transfer_seconds(prompt)
             self.first_token[rid] = landed + self.c.first_token_delay(float(self.last_step[self.decode_of[rid]]))
             self.ready[rid] = self.first_token[rid]
             self.state[rid] = TRANSFER
@@ -377,15 +411,16 @@ class Simulation:
         step = np.where(batch > 0, self.c.combine(gpu, host), self.c.step_overhead_s)
         # the decode loop's turns (a first token's path) last a decode step, not a prefill chunk's
         self.last_step = np.where(batch > 0, step, self.last_step)
-        if self.colocated:  # each step also carries a prefill chunk filling the token budget
-            for i, rep in enumerate(self.replicas):
-                if rep.queue and rep.role == "colocated":
-                    # the step's chunk as it was when the step began (head_done: computed within it)
-                    chunk = min(max(0.0, self.c.max_batched_tokens - batch[i]), rep.queued_tokens + rep.head_done)
-                    chunk_s = self.c.prefill_seconds(chunk, float(self.r["prompt"][rep.queue[0]]))
-                    with_chunk = float(self.c.combine(gpu[i] * (batch[i] > 0) + chunk_s, host[i]))
-                    self._prefill(rep, dt / with_chunk * chunk_s, now)
-                    step[i] = with_chunk
+        # each step of a colocated replica, or of a decode replica prefilling locally, also carries
+        # a prefill chunk filling the token budget
+        for i, rep in enumerate(self.replicas):
+            if rep.queue and rep.role in ("colocated", "decode"):
+                # the step's chunk as it was when the step began (head_done: computed within it)
+                chunk = min(max(0.0, self.c.max_batched_tokens - batch[i]), rep.queued_tokens + rep.head_done)
+                chunk_s = self.c.prefill_seconds(chunk, float(self.r["prompt"][rep.queue[0]]))
+                with_chunk = float(self.c.combine(gpu[i] * (batch[i] > 0) + chunk_s, host[i]))
+                self._prefill(rep, dt / with_chunk * chunk_s, now)
+                step[i] = with_chunk
         busy = batch > 0
         if busy.any():
             self.recent_itl.append((now, float(step[busy].max())))
@@ -476,6 +511,7 @@ class Simulation:
                 rep.queue = deque(r for r in rep.queue if r not in lost)
                 rep.queued_tokens = float(sum(self.r["prompt"][r] for r in rep.queue)) - rep.head_done
         self.handle_queue = deque(r for r in self.handle_queue if r not in lost)
+        self.handle_tokens = float(sum(self.r["prompt"][r] for r in self.handle_queue))
         for rid in lost:
             self.state[rid] = DONE  # finished stays NaN: failed
         self.failed += len(lost)
@@ -522,11 +558,13 @@ class Simulation:
             span = float(r["arrival"][m].max() - r["arrival"][m].min()) if m.sum() > 1 else 1.0
             phases.append({"phase": int(p), "requests": int(m.sum()), "completed": int(np.isfinite(self.finished[m]).sum()),
                            "goodput_rps": float(ok[m].sum() / span), "goodput_fraction": float(ok[m].mean()),
+                           "local_prefills": int(self.local[m].sum()),
                            "ttft_p50": _pct(ttft[m], 50), "ttft_p90": _pct(ttft[m], 90),
                            "tpot_p50": _pct(tpot[m], 50), "tpot_p90": _pct(tpot[m], 90)})
         cdf = np.cumsum(self.itl_hist) / max(self.itl_hist.sum(), 1e-9)
         edges = 10 ** (np.arange(400) / 80 - 4)
         return {"requests": int(len(ttft)), "completed": int(np.isfinite(self.finished).sum()), "failed": self.failed,
+                "local_prefills": int(self.local.sum()),
                 "goodput_fraction": float(ok.mean()) if len(ok) else 0.0,
                 "ttft_p50": _pct(ttft, 50), "ttft_p90": _pct(ttft, 90), "tpot_p50": _pct(tpot, 50),
                 "itl_p50": float(edges[np.searchsorted(cdf, 0.5)]), "itl_p90": float(edges[np.searchsorted(cdf, 0.9)]),
@@ -534,6 +572,10 @@ class Simulation:
                 "tokens_over_itl_target": float(self.itl_hist[edges > self.itl_target].sum()
                                                 / max(self.itl_hist.sum(), 1e-9)),
                 "phases": phases, "timeline": self.timeline}
+
+
+def _optional_float(text: str) -> float | None:
+    return None if text.lower() in ("none", "inf", "off") else float(text)
 
 
 def _pct(x: np.ndarray, q: float) -> float | None:
@@ -619,6 +661,11 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
                                       "rates": "load x the best fixed split's capacity on the phase's mix "
                                                "(split_capacity, in the fitted cost model)",
                                       "goodput": "requests of the phase meeting TTFT and TPOT targets per second",
+                                      "local_prefill_wait": args.local_prefill_wait,
+                                      "local_prefill": "disaggregated runs (planner and fixed splits): a request whose "
+                                                       "expected prefill-pool wait exceeds local_prefill_wait x the TTFT "
+                                                       "target is prefilled on its decode replica (None: never)",
+                                      "command": " ".join(sys.argv),
                                       "violation_minutes": "planning intervals with p90 TTFT or ITL (last 30 s) "
                                                            "over target, until the last phase ends"},
                            "by_gpus": {}}
@@ -640,7 +687,8 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
         if args.reactive or args.both:
             reactive = dataclasses.replace(settings, prefill_tokens_per_s=None, decode_tokens_per_s=None)
             planners = {"planner-reactive": reactive} if args.reactive else {**planners, "planner-reactive": reactive}
-        common = dict(dt=dt, interval_s=args.interval, ttft_target=args.ttft, itl_target=args.itl, gpus=gpus)
+        common = dict(dt=dt, interval_s=args.interval, ttft_target=args.ttft, itl_target=args.itl, gpus=gpus,
+                      local_prefill_wait=args.local_prefill_wait)
         runs: dict[str, Any] = {}
         for name, s in planners.items():
             runs[name] = Simulation(costs, reqs, prefill=p0, decode=gpus - p0, planner=s, **common).run()
@@ -780,6 +828,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reactive", action="store_true", help="the planner without its profile (reactive rules only)")
     parser.add_argument("--both", action="store_true", help="the planner with and without its profile")
     parser.add_argument("--dt-large", type=float, default=0.05, help="tick beyond 8 GPUs")
+    parser.add_argument("--local-prefill-wait", type=_optional_float, default=LOCAL_PREFILL_WAIT,
+                        help="prefill on the decode replica when the prefill pool's expected wait exceeds this "
+                             "fraction of the TTFT target; 'none' or 'inf': never (the behaviour before it)")
     parser.add_argument("--calibration", default=None, help="a --validate result whose fitted constants to use")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -150,6 +150,12 @@ class TransferConfig:
     fallback_to_local_prefill: bool = True
     #: Prompts shorter than this are prefilled on the decode worker itself; 0 disables that.
     local_prefill_threshold: int = 0
+    #: Queue-aware conditional disaggregation (Dynamo prefills on the decode worker when the
+    #: prefill queue is long): once every prefill replica in the ingress's cluster view reports
+    #: at least this many requests waiting, new prompts are prefilled on their decode worker
+    #: instead of joining the queue (a request's TTFT would be the queue's wait; the decode
+    #: replica's steps carry the prompt's chunks instead). 0 disables that.
+    local_prefill_queue_threshold: int = 16
 
     def __post_init__(self) -> None:
         _choice("kv_transfer", self.backend, typing.get_args(TransferBackendName))
@@ -158,6 +164,9 @@ class TransferConfig:
         if self.local_prefill_threshold < 0:
             raise UnsupportedSettingError("local_prefill_threshold must be >= 0",
                                           param="local_prefill_threshold")
+        if self.local_prefill_queue_threshold < 0:
+            raise UnsupportedSettingError("local_prefill_queue_threshold must be >= 0",
+                                          param="local_prefill_queue_threshold")
 
 
 @dataclass(frozen=True)
@@ -256,7 +265,8 @@ def _flat_fields() -> dict[str, tuple[str, str, Any]]:
             name = f.name
             if section == "transfer":
                 name = "kv_transfer" if f.name == "backend" else (
-                    f.name if f.name in ("local_prefill_threshold", "fallback_to_local_prefill")
+                    f.name if f.name in ("local_prefill_threshold", "local_prefill_queue_threshold",
+                                         "fallback_to_local_prefill")
                     else f"kv_transfer_{f.name}")
             assert name not in out, f"setting {name} is defined twice"
             out[name] = (section, f.name, hints[f.name])

@@ -1,7 +1,8 @@
 """Ingress: the HTTP entry (the OpenAI app from cluster.api) as a Ray Serve deployment. It is the
 EngineClient behind that app: it bounds requests in flight, decides per prompt whether the
-decode replica prefills it itself (prompts under ``local_prefill_threshold`` tokens, or no
-prefill replicas), attaches the prompt's block hashes for prefix-cache affinity, and streams the
+decode replica prefills it itself (prompts under ``local_prefill_threshold`` tokens, no prefill
+replicas, or every prefill replica's queue at ``local_prefill_queue_threshold`` in its cluster
+view: ``prefill_locally``), attaches the prompt's block hashes for prefix-cache affinity, and streams the
 decode replica (chosen by DecodeRouter: most free KV blocks, least load). A decode replica that
 is full answers before any output and the request is retried on another."""
 from __future__ import annotations
@@ -33,6 +34,22 @@ SNAPSHOT_PERIOD_S, SNAPSHOT_TIMEOUT_S = 1.0, 5.0
 #: /health answers 503 once no decode replica has reported for this long (ClusterState drops a
 #: replica 10 s after its last report).
 DECODE_SILENT_S = 15.0
+
+
+def prefill_locally(prompt_tokens: int, config: ClusterConfig, snapshot: list[ReplicaStats]) -> bool:
+    """Whether the decode replica prefills this prompt itself (conditional disaggregation): no
+    prefill replicas, a prompt under ``local_prefill_threshold`` tokens, or a saturated prefill
+    pool, as Dynamo's router decides: every prefill replica in the cluster view (ClusterState's
+    reports, refreshed every ``SNAPSHOT_PERIOD_S``) has ``local_prefill_queue_threshold`` or more
+    requests waiting. With no prefill report in the view the pool counts as not saturated."""
+    transfer = config.transfer
+    if config.prefill_replicas == 0 or prompt_tokens < transfer.local_prefill_threshold:
+        return True
+    limit = transfer.local_prefill_queue_threshold
+    if limit <= 0:
+        return False
+    waiting = [s.num_requests_waiting for s in snapshot if s.role == "prefill"]
+    return bool(waiting) and min(waiting) >= limit
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
@@ -102,9 +119,7 @@ class Ingress:
             self._inflight -= 1
 
     def _route(self, request: GenerateRequest) -> None:
-        n = len(request.prompt_token_ids)
-        threshold = self.config.transfer.local_prefill_threshold
-        request.local_prefill = self.config.prefill_replicas == 0 or n < threshold
+        request.local_prefill = prefill_locally(len(request.prompt_token_ids), self.config, self._snapshot)
         if not request.block_hashes:
             bs = self.config.cache.block_size
             request.block_hashes = hash_token_blocks(request.prompt_token_ids[: AFFINITY_BLOCKS * bs], bs)

@@ -76,3 +76,21 @@ def test_the_planner_sees_demand_and_first_tokens_as_they_happen():
     assert obs.demand is not None
     assert 2.5 < obs.demand.arrival_rps < 5.5 and 2500 < obs.demand.prompt_tokens < 6500
     assert obs.ttft_s > 0.0 and obs.itl_s > 0.0
+
+
+def test_a_saturated_prefill_pool_prefills_on_the_decode_replicas():
+    """Queue-aware conditional disaggregation: with one prefill replica and long prompts arriving
+    faster than it prefills them, requests whose expected wait for the pool passes half the TTFT
+    target are prefilled by their decode replica (its steps carry the chunks), so far more meet
+    TTFT; with the rule off (None, the old behaviour) none is, and the queue's wait is everyone's."""
+    costs = _costs()
+    reqs = make_requests([Phase(20.0, 5.0, "rag")], seed=6)
+    queued = Simulation(costs, reqs, prefill=1, decode=3, dt=0.01).run()
+    local = Simulation(costs, reqs, prefill=1, decode=3, dt=0.01, local_prefill_wait=0.5).run()
+    assert queued["local_prefills"] == 0
+    assert queued["completed"] == local["completed"] == len(reqs["arrival"])
+    assert 0 < local["local_prefills"] < len(reqs["arrival"])  # the pool still prefills its share
+    assert local["ttft_p90"] < queued["ttft_p90"] / 2
+    assert local["goodput_fraction"] > queued["goodput_fraction"] + 0.2
+    # the decode replicas' steps carry prefill chunks now: some tokens miss the ITL target
+    assert local["tokens_over_itl_target"] > 0.0 == queued["tokens_over_itl_target"]
