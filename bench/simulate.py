@@ -227,7 +227,7 @@ class Simulation:
                  interval_s: float = 10.0, ttft_target: float = 1.0, itl_target: float = 0.05,
                  shared_gpu: bool = False, gpus: int | None = None, demand_window: float | None = None,
                  prefill_max_ongoing: int = 512, graceful_shutdown_s: float = 20.0,
-                 local_prefill_wait: float | None = None) -> None:
+                 local_prefill_wait: float | None = None, local_chunk_itl: float | None = None) -> None:
         self.c, self.r, self.dt = costs, requests, dt
         self.colocated, self.settings, self.interval = colocated, planner, interval_s
         self.ttft_target, self.itl_target, self.shared_gpu = ttft_target, itl_target, shared_gpu
@@ -247,6 +247,10 @@ class Simulation:
         #: replica, chunked with that replica's decode batch as a colocated replica does. None: never.
         self.local_prefill_wait = (local_prefill_wait if local_prefill_wait is not None
                                    and math.isfinite(local_prefill_wait) and not colocated else None)
+        #: A decode replica's local prefill chunk is cut so its step stays within this fraction of
+        #: the ITL target (a token budget set from the TBT target, as Sarathi-Serve's); None: the
+        #: token budget alone, as a colocated replica.
+        self.local_chunk_itl = local_chunk_itl
         self.failed = 0
         self.handle_queue: deque[int] = deque()
         self.handle_tokens = 0.0  # prompt tokens of the requests waiting at the prefill handle
@@ -417,7 +421,11 @@ class Simulation:
             if rep.queue and rep.role in ("colocated", "decode"):
                 # the step's chunk as it was when the step began (head_done: computed within it)
                 chunk = min(max(0.0, self.c.max_batched_tokens - batch[i]), rep.queued_tokens + rep.head_done)
-                chunk_s = self.c.prefill_seconds(chunk, float(self.r["prompt"][rep.queue[0]]))
+                head = float(self.r["prompt"][rep.queue[0]])
+                if rep.role == "decode" and self.local_chunk_itl is not None:
+                    room = self.local_chunk_itl * self.itl_target - gpu[i] * (batch[i] > 0)
+                    chunk = min(chunk, max(64.0, room / self.c.prefill_seconds(1.0, head)))
+                chunk_s = self.c.prefill_seconds(chunk, head)
                 with_chunk = float(self.c.combine(gpu[i] * (batch[i] > 0) + chunk_s, host[i]))
                 self._prefill(rep, dt / with_chunk * chunk_s, now)
                 step[i] = with_chunk
@@ -662,6 +670,7 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
                                                "(split_capacity, in the fitted cost model)",
                                       "goodput": "requests of the phase meeting TTFT and TPOT targets per second",
                                       "local_prefill_wait": args.local_prefill_wait,
+                                      "local_chunk_itl": args.local_chunk_itl,
                                       "local_prefill": "disaggregated runs (planner and fixed splits): a request whose "
                                                        "expected prefill-pool wait exceeds local_prefill_wait x the TTFT "
                                                        "target is prefilled on its decode replica (None: never)",
@@ -688,7 +697,7 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
             reactive = dataclasses.replace(settings, prefill_tokens_per_s=None, decode_tokens_per_s=None)
             planners = {"planner-reactive": reactive} if args.reactive else {**planners, "planner-reactive": reactive}
         common = dict(dt=dt, interval_s=args.interval, ttft_target=args.ttft, itl_target=args.itl, gpus=gpus,
-                      local_prefill_wait=args.local_prefill_wait)
+                      local_prefill_wait=args.local_prefill_wait, local_chunk_itl=args.local_chunk_itl)
         runs: dict[str, Any] = {}
         for name, s in planners.items():
             runs[name] = Simulation(costs, reqs, prefill=p0, decode=gpus - p0, planner=s, **common).run()
@@ -831,6 +840,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--local-prefill-wait", type=_optional_float, default=LOCAL_PREFILL_WAIT,
                         help="prefill on the decode replica when the prefill pool's expected wait exceeds this "
                              "fraction of the TTFT target; 'none' or 'inf': never (the behaviour before it)")
+    parser.add_argument("--local-chunk-itl", type=_optional_float, default=None,
+                        help="cut a decode replica's local prefill chunks so its step stays within this fraction "
+                             "of the ITL target (default none: the token budget alone, as colocated)")
     parser.add_argument("--calibration", default=None, help="a --validate result whose fitted constants to use")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

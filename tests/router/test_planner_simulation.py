@@ -94,3 +94,15 @@ def test_a_saturated_prefill_pool_prefills_on_the_decode_replicas():
     assert local["goodput_fraction"] > queued["goodput_fraction"] + 0.2
     # the decode replicas' steps carry prefill chunks now: some tokens miss the ITL target
     assert local["tokens_over_itl_target"] > 0.0 == queued["tokens_over_itl_target"]
+
+
+def test_local_prefill_chunks_can_be_cut_to_the_itl_target():
+    """With ``local_chunk_itl`` a decode replica's local prefill chunks are cut so its steps stay
+    within that share of the ITL target: no token misses it, and TTFT still gains."""
+    costs = _costs()
+    reqs = make_requests([Phase(20.0, 5.0, "rag")], seed=6)
+    queued = Simulation(costs, reqs, prefill=1, decode=3, dt=0.01).run()
+    cut = Simulation(costs, reqs, prefill=1, decode=3, dt=0.01, local_prefill_wait=0.5, local_chunk_itl=0.8).run()
+    assert cut["completed"] == len(reqs["arrival"]) and cut["local_prefills"] > 0
+    assert cut["tokens_over_itl_target"] == 0.0
+    assert cut["ttft_p90"] < queued["ttft_p90"] / 2
