@@ -75,6 +75,12 @@ def stop(proc: subprocess.Popen[str]) -> None:
             continue
 
 
+def _workload(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload fields every run shares: the same seed gives the same prompts and output lengths."""
+    return dict(input_len=args.input_len, output_len=args.output_len, input_len_range=0.5,
+                ttft_target_s=args.ttft_target_s, itl_target_s=args.itl_target_s, seed=args.seed, warmup=2)
+
+
 def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     port = args.port
     url = f"http://127.0.0.1:{port}"
@@ -82,9 +88,7 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         wait_healthy(url, proc)
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        common = dict(base_url=url, model=model, input_len=args.input_len, output_len=args.output_len,
-                      input_len_range=0.5, ttft_target_s=args.ttft_target_s, itl_target_s=args.itl_target_s,
-                      seed=args.seed, warmup=2)
+        common = dict(base_url=url, model=model, **_workload(args))
         probe = run_benchmark(BenchConfig(**common, num_requests=args.probe_requests, concurrency=1,
                                           label=f"{kind}-probe"))
         load = run_benchmark(BenchConfig(**common, num_requests=args.num_requests, concurrency=args.concurrency,
@@ -101,9 +105,8 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     """The load run's requests (same seed: same prompts and output lengths) through the offline
     engine, ``--concurrency`` at a time, after the same two warm-up requests."""
     from cluster import LLM, SamplingParams
-    config = BenchConfig(base_url="", model=args.model, input_len=args.input_len, output_len=args.output_len,
-                         input_len_range=0.5, num_requests=args.num_requests, concurrency=args.concurrency,
-                         seed=args.seed, warmup=2)
+    config = BenchConfig(base_url="", model=args.model, num_requests=args.num_requests,
+                         concurrency=args.concurrency, **_workload(args))
     prompts = build_prompts(config)
     warmup, timed = prompts[:config.warmup], prompts[config.warmup:]
     llm = LLM(args.model, max_num_seqs=args.concurrency)

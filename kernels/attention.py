@@ -46,7 +46,7 @@ class PagedAttentionMetadata:
 def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor) -> None:
     """Scatter new keys/values ``[T, Hkv, D]`` into their slots. Slots < 0 are skipped (padding)."""
-    keep, blocks, offsets = _split_slots(slot_mapping, k_cache.shape[1])
+    keep, blocks, offsets = split_slots(slot_mapping, k_cache.shape[1])
     if keep is not None:
         k, v = k[keep], v[keep]
     k_cache[blocks, offsets] = k.to(k_cache.dtype)
@@ -59,8 +59,10 @@ def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: t
 _last_split: tuple[Any, int, int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] | None = None
 
 
-def _split_slots(slot_mapping: torch.Tensor, block_size: int
-                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+def split_slots(slot_mapping: torch.Tensor, block_size: int
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``slot_mapping [T]`` -> (the rows to keep, or None when every slot is >= 0; the kept
+    slots' blocks; their offsets), computed once for all the layers of a step that ask."""
     global _last_split
     version = None if slot_mapping.is_inference() else slot_mapping._version  # inference tensors have none
     last = _last_split

@@ -107,16 +107,22 @@ def q4_dequantize_ref(codes: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
     return ((grouped - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
 
 
+def q4_matmul(x: torch.Tensor, weight: Q4Weight, dense: bool | None = None) -> torch.Tensor:
+    """``x [T, K]`` (any float dtype) times ``weight``'s transpose -> ``[T, N]`` bfloat16, the
+    kernels' own dtype: the bfloat16 GEMM over ``weight.dense`` when it exists and ``dense`` says
+    so (None: from ``DENSE_FROM_ROWS`` rows on), the int4 kernel otherwise."""
+    if weight.dense is not None and (dense or (dense is None and x.shape[0] >= DENSE_FROM_ROWS)):
+        return F.linear(x.to(torch.bfloat16), weight.dense)
+    return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,
+                                             weight.scales_zeros)
+
+
 def linear_q4(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None, *,
               gated: bool = False, dense: bool | None = None) -> torch.Tensor:
     """``x [T, K]`` (any float dtype) -> ``[T, N]`` in ``x``'s dtype; ``gated``: the weight is
     ``[gate; up]`` and the result ``silu(gate) * up``. ``dense``: take the bfloat16 GEMM whatever
     the rows (None: from ``DENSE_FROM_ROWS`` rows on)."""
-    if weight.dense is not None and (dense or x.shape[0] >= DENSE_FROM_ROWS):
-        y = F.linear(x.to(torch.bfloat16), weight.dense).to(x.dtype)
-    else:
-        y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,
-                                              weight.scales_zeros).to(x.dtype)
+    y = q4_matmul(x, weight, dense).to(x.dtype)
     if bias is not None:
         y = y + bias
     return silu_and_mul_ref(y) if gated else y

@@ -24,13 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from cluster.models.context import ForwardContext
-from kernels.attention import paged_attention_ref
-from kernels.cpu_quant import DENSE_FROM_ROWS, Q4Weight
+from kernels.attention import paged_attention_ref, split_slots
+from kernels.cpu_quant import Q4Weight, q4_matmul
 from kernels.norm import rms_norm_ref
 from kernels.qkv_prepare import qkv_prepare_ref
 from kernels.rotary import rope_cos_sin
@@ -38,7 +37,6 @@ from kernels.rotary import rope_cos_sin
 
 @dataclass(frozen=True)
 class _Layer:
-    index: int
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: Q4Weight
@@ -85,10 +83,10 @@ class LlamaCpuDecode:
         self.eps = a.rms_norm_eps
         self.scale = a.head_dim ** -0.5
         self.layers = []
-        for i, layer in enumerate(model.layers):
+        for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
-                i, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 attn.qkv_proj.quantized, attn.qkv_proj.bias, attn.o_proj.quantized, attn.o_proj.bias,
                 mlp.gate_up_proj.quantized, mlp.gate_up_proj.bias, mlp.down_proj.quantized, mlp.down_proj.bias))
         self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] | None = None
@@ -123,21 +121,15 @@ class LlamaCpuDecode:
         sin4 = torch.stack((-sin, sin), dim=1)[:, None]  # [B, 1, 2, D / 2]: x2 (-s) | x1 s
         slot_mapping = ctx.slot_mappings[0]
         assert slot_mapping is not None
-        slots = slot_mapping.numpy()  # on the host: the step's numbers cost no torch ops
-        keep = None
-        if (slots < 0).any():
-            keep = torch.from_numpy(slots >= 0)
-            slots = slots[slots >= 0]
-        slot_blocks, slot_offsets = torch.from_numpy(slots // block_size), torch.from_numpy(slots % block_size)
+        keep, slot_blocks, slot_offsets = split_slots(slot_mapping, block_size)
         max_len = max(ctx.seq_lens_cpu)
         num_blocks = (max_len + block_size - 1) // block_size
-        gather = torch.from_numpy(ctx.block_tables[0].numpy()[:, :num_blocks].reshape(-1).astype(np.int64))
+        gather = ctx.block_tables[0][:, :num_blocks].reshape(-1).long()  # every sequence's blocks, one list
         if b == 1:
             mask = None
         else:
             k_pos = torch.arange(num_blocks * block_size)
             mask = (k_pos[None, :] < ctx.seq_lens.long()[:, None])[:, None, None, :]  # [B, 1, 1, S]
-        dense = b >= DENSE_FROM_ROWS
 
         x: torch.Tensor = F.embedding(input_ids, model.embed_tokens.weight)  # [B, H] float32
         residual: torch.Tensor | None = None
@@ -145,7 +137,7 @@ class LlamaCpuDecode:
             h = x if residual is None else x + residual  # x: bfloat16 or float32; the sum float32
             residual = h
             h = F.rms_norm(h, (self.hidden,), layer.input_norm, self.eps)
-            qkv = _linear(h, layer.qkv, layer.qkv_bias, dense)  # [B, (Hq + 2 Hkv) D] float32
+            qkv = _linear(h, layer.qkv, layer.qkv_bias)  # [B, (Hq + 2 Hkv) D] float32
             qk = qkv[:, :self.qk_size].view(b, hq + hk, 2, d // 2)
             torch.add(qk * cos4, qk.flip(2) * sin4, out=qk)  # rotated in place: q | k | v stays one row
             q = qkv[:, :self.q_out].view(b, hq, d)
@@ -162,28 +154,20 @@ class LlamaCpuDecode:
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale,
                 enable_gqa=hq != hk)  # [B, Hq, 1, D]
-            attn = _linear_raw(out.reshape(b, self.q_out), layer.o, dense)  # bfloat16
+            attn = q4_matmul(out.reshape(b, self.q_out), layer.o)  # bfloat16
             if layer.o_bias is not None:
                 attn = attn.float() + layer.o_bias
             residual = attn + residual  # float32
             h = F.rms_norm(residual, (self.hidden,), layer.post_norm, self.eps)
-            gate_up = _linear(h, layer.gate_up, layer.gate_up_bias, dense)
+            gate_up = _linear(h, layer.gate_up, layer.gate_up_bias)
             act = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
-            x = _linear_raw(act, layer.down, dense)
+            x = q4_matmul(act, layer.down)
             if layer.down_bias is not None:
                 x = x.float() + layer.down_bias
         assert residual is not None
         return F.rms_norm(x + residual, (self.hidden,), model.norm.weight, self.eps)
 
 
-def _linear_raw(x: torch.Tensor, weight: Q4Weight, dense: bool) -> torch.Tensor:
-    """``kernels.cpu_quant.linear_q4``'s product, left in bfloat16."""
-    if dense and weight.dense is not None:
-        return F.linear(x.to(torch.bfloat16), weight.dense)
-    return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,
-                                             weight.scales_zeros)
-
-
-def _linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None, dense: bool) -> torch.Tensor:
-    y = _linear_raw(x, weight, dense).float()
+def _linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    y = q4_matmul(x, weight).float()
     return y if bias is None else y + bias

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cluster import LLM, SamplingParams
 from cluster.models.gguf import read_gguf
 from cluster.models.registry import resolve_model_path
 from kernels.cpu_quant import (can_pack_q4, int4_cpu_available, linear_q4, linear_q4_ref, linear_q8, pack_q4,
-                               pack_q8_rows, q8_dequantize_ref)
+                               pack_q8_rows, q4_matmul, q8_dequantize_ref)
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="torch has no CPU int4 weight-only kernel")
 
@@ -54,10 +55,16 @@ def test_many_rows_take_the_bfloat16_dequantization_and_few_the_int4_codes(gated
     got = linear_q4(many, dense, bias, gated=gated)
     ref = linear_q4_ref(many, codes, dense, bias, gated=gated)
     assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()  # bfloat16 weights and output
+    # q4_matmul (the lean decode step's product): bfloat16 out, the same kernel choice, and a forced one
+    assert torch.equal(q4_matmul(few, dense), q4_matmul(few, plain)) and q4_matmul(few, dense).dtype == torch.bfloat16
+    assert torch.equal(q4_matmul(many, dense).float() + bias, linear_q4(many, dense, bias))
+    assert torch.equal(q4_matmul(few, dense, dense=True), F.linear(few.to(torch.bfloat16), dense.dense))
     calls = []
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a) or None)
     linear_q4(many, dense, bias, gated=gated)
     assert not calls  # the int4 kernel is not called for many rows
+    q4_matmul(many, dense, dense=False)
+    assert len(calls) == 1  # forced onto the int4 codes whatever the rows
     w = torch.randn(64, 96)
     q8, q8d = pack_q8_rows(w), pack_q8_rows(w, dense=True)
     x = torch.randn(cpu_quant.DENSE_LOGITS_FROM_ROWS + 4, 96)
