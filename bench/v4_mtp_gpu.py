@@ -131,8 +131,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=f"bench/results/v4-mtp-h200-{datetime.date.today()}.json")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="toy widths (plumbing check)")
+    parser.add_argument("--batches", help="comma-separated batch sizes (default 1,8,32)")
+    parser.add_argument("--ks", help="comma-separated draft lengths (default 1,2,3)")
+    parser.add_argument("--acceptance", help="comma-separated set acceptances (default 0,0.5,0.8,1)")
     args = parser.parse_args(argv)
     batches, ks, acceptance, prompt, new = TINY_RUN if args.tiny else (BATCHES, KS, ACCEPTANCE, PROMPT, NEW)
+    if args.batches:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    if args.ks:
+        ks = tuple(int(k) for k in args.ks.split(","))
+    if args.acceptance:
+        acceptance = tuple(float(a) for a in args.acceptance.split(","))
     on_gpu = args.device.startswith("cuda")
     config = dict(model_config(args.tiny), vocab_size=WIDTH["vocab_size"], torch_dtype="bfloat16",
                   num_nextn_predict_layers=1)

@@ -69,13 +69,30 @@ def split_slots(slot_mapping: torch.Tensor, block_size: int
     if version is not None and last is not None and last[0]() is slot_mapping and last[1] == version \
             and last[2] == block_size:
         return last[3]
-    valid = slot_mapping >= 0
-    keep = None if bool(valid.all()) else valid
-    slots = slot_mapping if keep is None else slot_mapping[keep]
-    split = (keep, torch.div(slots, block_size, rounding_mode="floor"), slots % block_size)
+    if slot_mapping.device.type == "cpu":
+        # on the host, numpy's arithmetic costs a fraction of torch's per-op dispatch, which on a
+        # small model's CPU decode step is a measurable share of the step
+        host = slot_mapping.numpy()
+        valid_np = host >= 0
+        keep = None if valid_np.all() else torch.from_numpy(valid_np)
+        kept = host if keep is None else host[valid_np]
+        split = (keep, torch.from_numpy(kept // block_size), torch.from_numpy(kept % block_size))
+    else:
+        valid = slot_mapping >= 0
+        keep = None if bool(valid.all()) else valid
+        slots = slot_mapping if keep is None else slot_mapping[keep]
+        split = (keep, torch.div(slots, block_size, rounding_mode="floor"), slots % block_size)
     if version is not None:
         _last_split = (weakref.ref(slot_mapping), version, block_size, split)
     return split
+
+
+def block_list(block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """The first ``num_blocks`` blocks of every row of ``block_tables [B, max_blocks]``, as one
+    flat int64 list ``[B * num_blocks]`` (a CPU table's through numpy: one op, not three)."""
+    if block_tables.device.type == "cpu":
+        return torch.from_numpy(block_tables.numpy()[:, :num_blocks].reshape(-1).astype("int64"))
+    return block_tables[:, :num_blocks].reshape(-1).long()
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -118,7 +135,7 @@ def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_size = k_cache.shape[1]
     num_blocks = (meta.max_seq_len + block_size - 1) // block_size
     batch = q.shape[0]
-    blocks = meta.block_tables[:, :num_blocks].reshape(-1).long()  # [B * nb]
+    blocks = block_list(meta.block_tables, num_blocks)  # [B * nb]
     k = k_cache.index_select(0, blocks).view(batch, num_blocks * block_size, *k_cache.shape[2:])
     v = v_cache.index_select(0, blocks).view(batch, num_blocks * block_size, *v_cache.shape[2:])
     if batch == 1 and sliding_window is None:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.models.context import ForwardContext
-from kernels.attention import paged_attention_ref, split_slots
+from kernels.attention import block_list, paged_attention_ref, split_slots
 from kernels.cpu_quant import Q4Weight, q4_matmul
 from kernels.norm import rms_norm_ref
 from kernels.qkv_prepare import qkv_prepare_ref
@@ -124,7 +124,7 @@ class LlamaCpuDecode:
         keep, slot_blocks, slot_offsets = split_slots(slot_mapping, block_size)
         max_len = max(ctx.seq_lens_cpu)
         num_blocks = (max_len + block_size - 1) // block_size
-        gather = ctx.block_tables[0][:, :num_blocks].reshape(-1).long()  # every sequence's blocks, one list
+        gather = block_list(ctx.block_tables[0], num_blocks)  # every sequence's blocks, one list
         if b == 1:
             mask = None
         else:
