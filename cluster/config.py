@@ -123,10 +123,22 @@ class SchedulerConfig:
     #: Pipelined decode on CUDA graphs: step N+1 is scheduled and launched before step N's tokens
     #: are read, so the host's work overlaps the GPU's (see LLMEngine). Outputs are the same.
     async_scheduling: bool = True
+    #: Chunked prefill: a request schedules at most this many prompt tokens a step (vLLM's
+    #: meaning), so a long prompt shares steps with the running requests' decode tokens; 0: up
+    #: to the whole token budget.
+    long_prefill_token_threshold: int = 0
+    #: A step that carries prompt chunks is kept near this many seconds by sizing the chunks from
+    #: the engine's own measured steps (Sarathi-Serve's TBT-sized token budget; see
+    #: ``cluster.engine.step_loop.ChunkSizer``); 0: off. The decode role sets it from the ITL
+    #: target (``local_prefill_itl_share``), so a prompt prefilled on a decode replica does not
+    #: stall its decoding requests.
+    prefill_step_target_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_zero=True)
+        _positive("prefill_step_target_s", self.prefill_step_target_s, allow_zero=True)
         _positive("max_model_len", self.max_model_len)
         _positive("max_waiting", self.max_waiting)
         _choice("role", self.role, typing.get_args(Role))
@@ -156,6 +168,10 @@ class TransferConfig:
     #: instead of joining the queue (a request's TTFT would be the queue's wait; the decode
     #: replica's steps carry the prompt's chunks instead). 0 disables that.
     local_prefill_queue_threshold: int = 16
+    #: A decode replica prefilling a prompt itself sizes the prompt's chunks so that its steps
+    #: take at most this share of ``target_itl_s`` (its decoding requests' inter-token latency
+    #: stays within the target); 0: chunks up to the whole token budget.
+    local_prefill_itl_share: float = 0.8
 
     def __post_init__(self) -> None:
         _choice("kv_transfer", self.backend, typing.get_args(TransferBackendName))
@@ -164,6 +180,9 @@ class TransferConfig:
         if self.local_prefill_threshold < 0:
             raise UnsupportedSettingError("local_prefill_threshold must be >= 0",
                                           param="local_prefill_threshold")
+        if not 0 <= self.local_prefill_itl_share <= 1:
+            raise UnsupportedSettingError("local_prefill_itl_share must lie in [0, 1]",
+                                          param="local_prefill_itl_share")
         if self.local_prefill_queue_threshold < 0:
             raise UnsupportedSettingError("local_prefill_queue_threshold must be >= 0",
                                           param="local_prefill_queue_threshold")
@@ -266,7 +285,7 @@ def _flat_fields() -> dict[str, tuple[str, str, Any]]:
             if section == "transfer":
                 name = "kv_transfer" if f.name == "backend" else (
                     f.name if f.name in ("local_prefill_threshold", "local_prefill_queue_threshold",
-                                         "fallback_to_local_prefill")
+                                         "local_prefill_itl_share", "fallback_to_local_prefill")
                     else f"kv_transfer_{f.name}")
             assert name not in out, f"setting {name} is defined twice"
             out[name] = (section, f.name, hints[f.name])

@@ -49,7 +49,11 @@ class DecodeWorker:
         self.engine_id = engine_id
         self.prefill_fn = prefill_fn
         storage = KVStorage(config.transfer.backend, engine_id, node_id, **(transfer_options or {}))
-        scheduler = dataclasses.replace(config.scheduler, role="decode")
+        # a prompt prefilled here (local prefill) is chunked to keep the decoding requests'
+        # steps within local_prefill_itl_share of the ITL target, unless the user set a target
+        step_target = config.scheduler.prefill_step_target_s or (
+            config.transfer.local_prefill_itl_share * config.target_itl_s)
+        scheduler = dataclasses.replace(config.scheduler, role="decode", prefill_step_target_s=step_target)
         engine = LLMEngine(config.model, config.cache, scheduler, kv_allocator=storage.allocate)
         self.backend: KVTransferBackend = storage.build(engine.runner.kv_caches, engine.kv_specs)
         self.engine = EnginePort(engine)

@@ -25,6 +25,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, async_scheduling: bool = True,
+                 long_prefill_token_threshold: int = 0, prefill_step_target_s: float = 0.0,
                  **model_kwargs: Any) -> None:
         model_config = ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                    seed=seed, **model_kwargs)
@@ -33,7 +34,9 @@ class LLM:
                                    enable_prefix_caching=enable_prefix_caching)
         scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
-                                           async_scheduling=async_scheduling)
+                                           async_scheduling=async_scheduling,
+                                           long_prefill_token_threshold=long_prefill_token_threshold,
+                                           prefill_step_target_s=prefill_step_target_s)
         self.engine = LLMEngine(model_config, cache_config, scheduler_config)
         self._ids = itertools.count()
 

@@ -5,6 +5,9 @@ with its token count as far as the budget allows (a long prompt is prefilled in 
 requests are served first, in arrival order; then waiting requests are admitted while the budget,
 ``max_num_seqs`` and the KV pool allow. When a running request cannot get a block, the most
 recently admitted running request is preempted (its blocks freed; it is recomputed later).
+A request's prompt chunk is also capped per step by ``long_prefill_token_threshold`` and by
+``prefill_chunk_cap`` (set from measured step times when ``prefill_step_target_s`` is on), so
+decoding requests keep their steps short while a long prompt is prefilled beside them.
 
 The same scheduler serves every role: ``prefill`` requests stop after their first token and keep
 their blocks for the transfer; ``decode`` requests enter WAITING_FOR_REMOTE_KV with blocks reserved
@@ -99,6 +102,14 @@ class Scheduler:
         #: (a draft head's layer lags the target's by up to k + 1 positions): request id -> the
         #: tokens whose every layer is written; blocks past it are not cached yet.
         self.cache_limit: Callable[[str], int | None] | None = None
+        #: Prompt tokens a request may schedule per step, sized from measured steps
+        #: (``cluster.engine.step_loop.ChunkSizer``); None: no such cap.
+        self.prefill_chunk_cap: int | None = None
+
+    def chunk_cap(self) -> int | None:
+        """The most prompt tokens one request schedules this step (None: the budget decides)."""
+        caps = [c for c in (self.config.long_prefill_token_threshold, self.prefill_chunk_cap) if c]
+        return min(caps) if caps else None
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -187,6 +198,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        cap = self.chunk_cap()
         preempted_now = False
         for request in list(self.running):
             if request not in self.running:  # preempted earlier in this loop
@@ -194,6 +206,8 @@ class Scheduler:
             c = request.num_computed_tokens
             base = request.num_tokens + request.num_pending - c
             n = min(base + len(request.spec_token_ids), budget)
+            if cap is not None and base > 1 and not request.spec_token_ids:  # a prompt (or recompute) chunk
+                n = min(n, cap)
             if n <= 0:
                 continue
             if request.spec_token_ids:
@@ -216,17 +230,17 @@ class Scheduler:
             if budget == 0:
                 break
         if not preempted_now:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, cap)
         out.block_tables = {s.request_id: self.kv.block_tables(s.request_id) for s in out.scheduled}
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, cap: int | None) -> None:
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
             request = self.waiting[0]
             prefix = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
             c = prefix.num_tokens
-            n = min(request.num_tokens - c, budget)
+            n = min(request.num_tokens - c, budget, cap or budget)
             if not self.kv.allocate(request.request_id, c + n, prefix):
                 if not self.kv.can_fit(request.num_tokens, self.config.max_num_batched_tokens):
                     # Not even an empty pool holds it (a preempted request grown past the pool):

@@ -1,0 +1,123 @@
+"""Prompt chunks capped per step: ``long_prefill_token_threshold`` (vLLM's meaning) and chunks
+sized from measured steps to a step-time target (``prefill_step_target_s``, which a decode
+replica sets from its ITL target so a prompt it prefills itself does not stall its decoding
+requests). The cap changes which tokens a step carries, never the output."""
+from __future__ import annotations
+
+import pytest
+
+from cluster import LLM, SamplingParams
+from cluster.common.errors import UnsupportedSettingError
+from cluster.config import ClusterConfig, SchedulerConfig, TransferConfig, parse_cluster_args
+from cluster.engine.step_loop import ChunkSizer
+from tests.engine.test_scheduler import make_scheduler, req, run_step
+
+
+def test_the_threshold_caps_prompt_chunks_and_leaves_decode_rows_alone():
+    s = make_scheduler(budget=16)
+    s.config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256,
+                               long_prefill_token_threshold=5)
+    a = req("a", 3)
+    s.add_request(a)
+    run_step(s)  # a's prompt (3 <= 5) in one chunk, its first token sampled
+    b, c = req("b", 12, first=40), req("c", 7, first=80)
+    s.add_request(b)
+    s.add_request(c)
+    steps = [[(x.request.request_id, x.num_new_tokens) for x in run_step(s).scheduled] for _ in range(3)]
+    # every step: a decodes, each prompt takes at most 5 tokens (not the 16 of the budget)
+    assert steps == [[("a", 1), ("b", 5), ("c", 5)], [("a", 1), ("b", 5), ("c", 2)], [("a", 1), ("b", 2), ("c", 1)]]
+    assert b.num_output_tokens == 1 and c.num_output_tokens == 2
+
+
+def test_the_measured_cap_takes_the_lower_of_the_two():
+    s = make_scheduler(budget=32)
+    s.config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
+                               long_prefill_token_threshold=12)
+    s.prefill_chunk_cap = 6
+    r = req("a", 20)
+    s.add_request(r)
+    assert [run_step(s).scheduled[0].num_new_tokens for _ in range(4)] == [6, 6, 6, 2]
+    s.prefill_chunk_cap = 40
+    assert s.chunk_cap() == 12
+
+
+def test_the_sizer_converges_to_the_tokens_that_fill_the_target():
+    a, b, target = 0.010, 0.0002, 0.080  # a step: 10 ms fixed + 0.2 ms a prompt token
+    exact = (target - a) / b  # 350 tokens
+    sizer = ChunkSizer(target, budget=4096, initial=64)
+    caps = []
+    for _ in range(30):
+        p = sizer.cap
+        caps.append(sizer.observe(p, True, a + b * p))
+    assert caps[:3] == [128, 256, 334]  # doubling at most, then the suggestion
+    assert all(x <= exact + 1 for x in caps)  # within the target all the way up
+    assert abs(caps[-1] - exact) <= 2
+
+
+def test_the_sizer_shrinks_at_once_on_an_overrun_and_ignores_uninformative_steps():
+    sizer = ChunkSizer(0.1, budget=2048, initial=1024)
+    assert sizer.observe(1024, True, 0.4) == 256  # 4x over: 4x fewer tokens at once
+    assert sizer.observe(30, False, 0.02) == 256  # a short prompt not bounded by the cap: no lesson
+    assert sizer.observe(30, False, 0.3) == 16  # but any step over the target shrinks it, to the floor
+    assert sizer.observe(16, True, 0.001) == 32  # growth at most 2x a step
+    assert ChunkSizer(0.1, budget=8).cap == 8  # never above the token budget
+
+
+def test_settings_and_the_decode_role_default():
+    config = parse_cluster_args({"long_prefill_token_threshold": "256", "local_prefill_itl_share": "0.5",
+                                 "target_itl_s": "0.05"}, use_env=False)
+    assert config.scheduler.long_prefill_token_threshold == 256
+    assert config.transfer.local_prefill_itl_share == 0.5
+    assert TransferConfig().local_prefill_itl_share == 0.8 and SchedulerConfig().prefill_step_target_s == 0
+    with pytest.raises(UnsupportedSettingError, match="local_prefill_itl_share"):
+        TransferConfig(local_prefill_itl_share=1.5)
+    with pytest.raises(UnsupportedSettingError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+    assert isinstance(config, ClusterConfig)
+
+
+def _engine_steps(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[list[list[int]], list[dict]]:
+    engine = llm.engine
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    steps: list[dict[str, int]] = []
+
+    def step() -> None:
+        for out in engine.step():  # deltas
+            for sample in out.outputs:
+                outputs[out.request_id].extend(sample.token_ids)
+        steps.append({rid: n for rid, _, n in engine.last_step})
+
+    engine.add_request("r0", prompts[0], params)
+    while not outputs["r0"]:  # r0 decodes before the others arrive
+        step()
+    for i, p in enumerate(prompts[1:], 1):
+        engine.add_request(f"r{i}", p, params)
+    while engine.has_work():
+        step()
+    return [outputs[f"r{i}"] for i in range(len(prompts))], steps
+
+
+def test_a_long_prompt_beside_a_decoding_request_is_chunked_to_the_target_without_changing_output():
+    """The embedded default (its quantized prompt rows give one answer however a prompt is
+    chunked): a request decoding while a long prompt arrives keeps getting a token every step,
+    the prompt's chunks follow the sizer's cap, and the prompt's output equals the uncapped
+    engine's. (The decoding request's own tokens are not compared: a decode row that shares a
+    step with prompt rows takes the prompt rows' kernel on this path, so its numbers depend on
+    which steps it shared, capped or not: tests/models/test_cpu_quant.py.)"""
+    long_prompt = " ".join(f"item {i} is a line of the inventory;" for i in range(60))
+    prompts, params = ["Count from one to twenty.", long_prompt], SamplingParams(temperature=0.0, max_tokens=24,
+                                                                                  ignore_eos=True)
+    want, plain_steps = _engine_steps(LLM("smollm2", max_num_batched_tokens=1024, enable_prefix_caching=False),
+                                      prompts, params)
+    assert max(s.get("r1", 0) for s in plain_steps) > 64  # uncapped, the prompt takes big chunks
+    capped = LLM("smollm2", max_num_batched_tokens=1024, enable_prefix_caching=False, prefill_step_target_s=0.01)
+    got, steps = _engine_steps(capped, prompts, params)
+    assert got[1] == want[1] and len(got[0]) == len(want[0]) == 24
+    cap_seen = capped.engine.scheduler.prefill_chunk_cap
+    assert cap_seen is not None and cap_seen < 256  # a 10 ms target on a CPU: small chunks
+    prompt_steps = [s for s in steps if s.get("r1", 0) > 1]
+    assert len(prompt_steps) >= 3 and all(s["r1"] <= 256 for s in prompt_steps)
+    last_r0 = max(i for i, s in enumerate(steps) if "r0" in s)
+    first_r1 = min(i for i, s in enumerate(steps) if "r1" in s)
+    assert last_r0 > first_r1 + 3  # they shared steps
+    assert all("r0" in s for s in steps[first_r1:last_r0 + 1])  # r0 got its token in every one
