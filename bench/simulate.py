@@ -48,6 +48,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
+from cluster.config import TransferConfig  # noqa: E402
 from cluster.router.planner import Demand, Observation, PlannerSettings, PlannerState, RoleLoad, plan  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -204,6 +205,11 @@ def make_requests(phases: list[Phase], seed: int = 0, max_len: int = 16384) -> d
 # --- the simulator ---------------------------------------------------------------------------------
 
 WAIT, PREFILL, TRANSFER, DECODE, DONE = 0, 1, 2, 3, 4
+#: The comparison's default ``Simulation.local_chunk_itl`` (``--local-chunk-itl``): what a served
+#: decode replica does (``TransferConfig.local_prefill_itl_share``; its engine sizes prompt chunks
+#: from measured steps, cluster.engine.step_loop.ChunkSizer).
+LOCAL_CHUNK_ITL = TransferConfig().local_prefill_itl_share
+
 #: The comparison's default ``Simulation.local_prefill_wait`` (``--local-prefill-wait``): prefill on
 #: the decode replica once the prefill pool's expected wait passes half the TTFT target.
 LOCAL_PREFILL_WAIT = 0.5
@@ -840,9 +846,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--local-prefill-wait", type=_optional_float, default=LOCAL_PREFILL_WAIT,
                         help="prefill on the decode replica when the prefill pool's expected wait exceeds this "
                              "fraction of the TTFT target; 'none' or 'inf': never (the behaviour before it)")
-    parser.add_argument("--local-chunk-itl", type=_optional_float, default=None,
+    parser.add_argument("--local-chunk-itl", type=_optional_float, default=LOCAL_CHUNK_ITL,
                         help="cut a decode replica's local prefill chunks so its step stays within this fraction "
-                             "of the ITL target (default none: the token budget alone, as colocated)")
+                             "of the ITL target (default: the served decode replica's local_prefill_itl_share; "
+                             "'none': the token budget alone, as colocated)")
     parser.add_argument("--calibration", default=None, help="a --validate result whose fitted constants to use")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
