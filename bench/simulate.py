@@ -697,7 +697,7 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
         settings = dataclasses.replace(
             profile(costs, args.itl, args.ttft), target_ttft_s=args.ttft, target_itl_s=args.itl, min_prefill=1,
             max_prefill=gpus - 1, min_decode=1, max_decode=gpus - 1, max_total_replicas=gpus,
-            initial_prefill=p0, initial_decode=gpus - p0)
+            initial_prefill=p0, initial_decode=gpus - p0, handover_starting_share=args.handover_starting_share)
         planners = {"planner": settings}
         if args.reactive or args.both:
             reactive = dataclasses.replace(settings, prefill_tokens_per_s=None, decode_tokens_per_s=None)
@@ -708,6 +708,16 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
         for name, s in planners.items():
             runs[name] = Simulation(costs, reqs, prefill=p0, decode=gpus - p0, planner=s, **common).run()
             print(f"  {gpus} GPUs {name}: {time.perf_counter() - started:.0f} s", flush=True)
+        if args.planner_only:
+            out["by_gpus"][str(gpus)] = {
+                "phases": [{"phase": i, "mix": ph.mix, "rate_rps": ph.rate,
+                            "goodput_rps": {k: v["phases"][i]["goodput_rps"] for k, v in runs.items()}}
+                           for i, ph in enumerate(phases)],
+                "recovery_intervals": {k: recovery(v["timeline"], phases, args) for k, v in runs.items()},
+                "reversals": {k: reversals(v["timeline"], phases) for k, v in runs.items()},
+                "violation_minutes": {k: violation_minutes(v["timeline"], args, float(starts[-1]))
+                                      for k, v in runs.items()}}
+            continue
         alone: dict[str, list[dict[str, Any]]] = {}
         for i in range(len(phases)):
             m = reqs["phase"] == i
@@ -850,6 +860,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="cut a decode replica's local prefill chunks so its step stays within this fraction "
                              "of the ITL target (default: the served decode replica's local_prefill_itl_share; "
                              "'none': the token budget alone, as colocated)")
+    parser.add_argument("--handover-starting-share", type=_optional_float,
+                        default=PlannerSettings().handover_starting_share,
+                        help="the planner's handover_starting_share (default: the planner's default)")
+    parser.add_argument("--planner-only", action="store_true",
+                        help="run the planner alone (no fixed splits, no comparison): for trying its settings")
     parser.add_argument("--calibration", default=None, help="a --validate result whose fitted constants to use")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -870,7 +885,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["comparison"] = compare(args, costs)
     if args.out:
         write_result(args.out, result)
-        if "comparison" in result:
+        if "comparison" in result and not args.planner_only:
             plot(result["comparison"], os.path.splitext(args.out)[0] + ".png")
     return result
 

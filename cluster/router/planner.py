@@ -105,6 +105,12 @@ class PlannerSettings:
     #: Predictive sizing adds the requests already waiting (a backlog built while new replicas
     #: started) as demand on both roles, to clear within this many seconds (None: arrivals only).
     backlog_drain_s: float | None = 60.0
+    #: Under max_total_replicas a role grows only by taking the other role's GPUs, and each one
+    #: moved serves nobody until its new replica has started. At most this share of the budget
+    #: may be starting at once in a role that takes from the other (the donor keeps the rest
+    #: until those are up: a decode replica keeps decoding, and prefilling locally, meanwhile);
+    #: None: the whole move at once.
+    handover_starting_share: float | None = None
 
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
@@ -258,6 +264,7 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
             step = max(1, math.ceil(load.replicas * min(p - 1.0, 1.0)))
             want[role] = min(s.bounds(role)[1], max(want[role], load.replicas + step))
     notes += _fit_budget(want, loads, pressure, state, s, now, predicted)
+    notes += _pace_handover(want, loads, s)
     # Nothing shrinks while users see a missed target, even one no role here can act on.
     nothing_over = (all(p is None or p <= 1.0 for p in pressure.values())
                     and obs.ttft_s <= s.target_ttft_s and obs.itl_s <= s.target_itl_s)
@@ -389,6 +396,30 @@ def _fit_budget(want: dict[Role, int], loads: dict[Role, RoleLoad], pressure: di
             excess = sum(want.values()) - budget
             if excess > 0:
                 want[role] -= min(excess, max(0, want[role] - floor[role]))
+    return notes
+
+
+def _pace_handover(want: dict[Role, int], loads: dict[Role, RoleLoad], s: PlannerSettings) -> list[str]:
+    """Hold a role that grows by taking the other's replicas (under max_total_replicas) to
+    ``handover_starting_share`` of the budget starting at once; the donor keeps what is not taken
+    yet. Later decisions move the rest as the new replicas come up."""
+    share, budget = s.handover_starting_share, s.max_total_replicas
+    if share is None or budget is None or len(loads) < 2:
+        return []
+    limit = max(1, math.ceil(share * budget))
+    notes = []
+    for role, load in loads.items():
+        other: Role = "decode" if role == "prefill" else "prefill"
+        grow, give = want[role] - load.replicas, loads[other].replicas - want[other]
+        if grow <= 0 or give <= 0:
+            continue
+        starting = load.replicas - (load.ready_replicas if load.ready_replicas is not None else load.replicas)
+        allowed = max(0, limit - starting)
+        if grow > allowed:
+            held = min(grow - allowed, give)
+            want[role] -= held
+            want[other] += held
+            notes.append(f"{other} keeps {held} until {role}'s starting replicas are up")
     return notes
 
 

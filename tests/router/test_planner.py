@@ -570,3 +570,23 @@ def test_ray_runs_the_planner_named_in_a_serve_config():
     assert lines, result.stdout[-3000:] + result.stderr[-3000:]
     # Prefill-bound: prefill grew 2 -> 4 -> 5 and, at the budget of 6, decode gave it one.
     assert json.loads(lines[-1].removeprefix("COUNTS ")) == {"PrefillServer": 5, "DecodeServer": 1}
+
+
+def test_a_handover_under_the_budget_is_paced_by_the_replicas_starting():
+    """With handover_starting_share, a role that grows by taking the other's GPUs takes at most
+    that share of the budget while its new replicas start; the donor keeps the rest meanwhile
+    (its replicas go on serving, where a moved one serves nobody until it is up)."""
+    obs = with_demand(observe(2, 6), 24.0, 4000, 160)  # predicts prefill 5, decode 3 (see above)
+    assert counts(plan(obs, profiled(), PlannerState(), now=1000.0)) == (5, 3)  # all at once
+    paced = profiled(handover_starting_share=0.25)  # 2 of the 8 may be starting
+    first = plan(obs, paced, PlannerState(), now=1000.0)
+    assert counts(first) == (4, 4) and "decode keeps 1" in first.reason
+    starting = dataclasses.replace(obs, prefill=RoleLoad(4, ready_replicas=2, kv_usage=0.2),
+                                   decode=RoleLoad(4, kv_usage=0.45))
+    assert counts(plan(starting, paced, first.state, now=1010.0)) == (4, 4)  # two still starting: hold
+    up = dataclasses.replace(starting, prefill=RoleLoad(4, ready_replicas=4, kv_usage=0.2))
+    assert counts(plan(up, paced, first.state, now=1020.0)) == (5, 3)  # they are up: the rest moves
+    # without a budget nothing is traded, so nothing is paced
+    free = profiled(handover_starting_share=0.25, max_total_replicas=None)
+    unpaced = plan(obs, profiled(max_total_replicas=None), PlannerState(), now=1000.0)
+    assert counts(plan(obs, free, PlannerState(), now=1000.0)) == counts(unpaced) == (7, 6)
