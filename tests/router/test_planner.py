@@ -212,8 +212,11 @@ def test_prediction_within_the_hysteresis_band_holds():
 
 def test_prediction_never_shrinks_a_role_over_its_target():
     obs = with_demand(observe(4, 4, itl=0.2), 2.0, 1000, 100)  # little demand, but decode misses ITL
-    decision = plan(obs, profiled(), PlannerState(), now=1000.0)
+    decision = plan(obs, profiled(handover_starting_share=None), PlannerState(), now=1000.0)
     assert decision.replicas["decode"] >= 4 and decision.replicas["prefill"] == 1
+    # paced (the default): decode takes 2 of the 8 GPUs at a time; prefill keeps serving on the rest meanwhile
+    paced = plan(obs, profiled(), PlannerState(), now=1000.0)
+    assert counts(paced) == (2, 6)
 
 
 def test_reactive_growth_still_backs_an_underestimating_prediction():
@@ -577,7 +580,7 @@ def test_a_handover_under_the_budget_is_paced_by_the_replicas_starting():
     that share of the budget while its new replicas start; the donor keeps the rest meanwhile
     (its replicas go on serving, where a moved one serves nobody until it is up)."""
     obs = with_demand(observe(2, 6), 24.0, 4000, 160)  # predicts prefill 5, decode 3 (see above)
-    assert counts(plan(obs, profiled(), PlannerState(), now=1000.0)) == (5, 3)  # all at once
+    assert counts(plan(obs, profiled(handover_starting_share=None), PlannerState(), now=1000.0)) == (5, 3)  # all at once
     paced = profiled(handover_starting_share=0.25)  # 2 of the 8 may be starting
     first = plan(obs, paced, PlannerState(), now=1000.0)
     assert counts(first) == (4, 4) and "decode keeps 1" in first.reason
