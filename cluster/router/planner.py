@@ -33,7 +33,9 @@ downscale_cooldown_s and its pressure, spread over fewer replicas, stays under d
 rest of the growth is cut;
 (4) when no role is over, TTFT and ITL meet their targets and nothing changed within
 downscale_cooldown_s, the role with the most slack (pressure under ``slack``, same prediction as
-3) gives back one replica."""
+3) gives back one replica; (5) a role that grows by taking the other's GPUs has at most
+``handover_starting_share`` of the budget starting at once, the donor keeping (and serving on)
+the rest until those replicas are up."""
 from __future__ import annotations
 
 import dataclasses
