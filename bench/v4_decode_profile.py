@@ -11,7 +11,9 @@ weights; for each batch, 512-token prompts, then decode). Two passes per batch:
   graphs           the same steps replayed from CUDA graphs (pipelined), under ``torch.profiler``:
                    kernel time per step by kernel name, then by class through the scoped pass's
                    name -> class map (a name the scoped pass never saw is ``unmapped``); kernels
-                   per step; the step's wall time.
+                   per step; the step's wall time. A generic kernel (an elementwise add, a
+                   reduction) that several classes launch is split between them as its time was
+                   in the scoped pass.
 
 Per class, the bytes it must read (weights of its modules; for MoE the routed experts a batch
 touches under uniform routing; for attention + indexer the KV entries attended, as
@@ -121,8 +123,11 @@ def _settle(engine: Any, batch: int, prompt: int, new: int, tag: str) -> None:
         engine.step()
 
 
-def _profiled_steps(engine: Any, steps: int, on_gpu: bool) -> tuple[Any, list[float]]:
-    activities = [torch.profiler.ProfilerActivity.CUDA] if on_gpu else [torch.profiler.ProfilerActivity.CPU]
+def _profiled_steps(engine: Any, steps: int, on_gpu: bool, host_ops: bool = True) -> tuple[Any, list[float]]:
+    """``host_ops``: record the host's ops too (the scopes, and which op launched each kernel)."""
+    activities = [torch.profiler.ProfilerActivity.CUDA] if on_gpu else []
+    if host_ops or not on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
     if on_gpu:
         torch.cuda.synchronize()
     walls = []
@@ -169,10 +174,10 @@ def scoped_pass(engine: Any, batch: int, prompt: int, new: int, steps: int, on_g
     return row, names
 
 
-def graph_pass(engine: Any, batch: int, prompt: int, new: int, steps: int, name_class: dict[str, str]
-               ) -> dict[str, Any]:
+def graph_pass(engine: Any, batch: int, prompt: int, new: int, steps: int,
+               name_class: dict[str, dict[str, float]]) -> dict[str, Any]:
     _settle(engine, batch, prompt, new, f"g{batch}")
-    prof, walls = _profiled_steps(engine, steps, True)
+    prof, walls = _profiled_steps(engine, steps, True, host_ops=False)
     kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -181,10 +186,11 @@ def graph_pass(engine: Any, batch: int, prompt: int, new: int, steps: int, name_
             k[1] += 1
     per_class: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for name, (us, calls) in kernels.items():
-        c = per_class[name_class.get(name, "unmapped")]
-        c[0] += us
-        c[1] += calls
-    table = sorted(({"kernel": n, "class": name_class.get(n, "unmapped"), "us_per_step": v[0] / steps,
+        for cls, share in name_class.get(name, {"unmapped": 1.0}).items():  # a generic kernel: split as in eager
+            c = per_class[cls]
+            c[0] += us * share
+            c[1] += calls * share
+    table = sorted(({"kernel": n, "classes": name_class.get(n, {"unmapped": 1.0}), "us_per_step": v[0] / steps,
                      "calls_per_step": v[1] / steps} for n, v in kernels.items()), key=lambda r: -r["us_per_step"])
     return {"batch": batch, "steps": steps, "step_wall_ms": 1000 * median(walls[1:] or walls),
             "gpu_kernel_ms_per_step": sum(v[0] for v in kernels.values()) / steps / 1000,
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "method": (f"{prompt}-token prompts; {args.steps} decode steps profiled per batch, eager with scopes "
                    "(class of each kernel) and replayed from CUDA graphs (pipelined)"),
         "copy_bandwidth_GBps": bandwidth / 1e9 if bandwidth else None, "rows": {}, "errors": {}}
-    name_class: dict[str, str] = {}
+    name_class: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as path:
         write_model_dir(path, config)
         engine = make_engine(path, args.device, True, max(batches))
@@ -264,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name, counter in names.items():
                 votes[name].update(counter)
             print(f"scoped-b{batch}", json.dumps({c: round(v["us_per_step"], 1) for c, v in row["classes"].items()}))
-        name_class = {name: counter.most_common(1)[0][0] for name, counter in votes.items()}
+        name_class = {name: {c: round(t / sum(counter.values()), 4) for c, t in counter.items()}
+                      for name, counter in votes.items() if sum(counter.values()) > 0}
         del engine
         if on_gpu:
             torch.cuda.empty_cache()
