@@ -26,6 +26,43 @@ from bench.engine_gpu import (QWEN3_8B, TINY, add_random_requests, copy_bandwidt
                               random_model, weight_bytes)
 
 
+#: Kernel names are cut to this many characters (templated names run to thousands).
+KERNEL_NAME_CHARS = 160
+
+
+def profiled_steps(engine: Any, steps: int, activities: list[Any]) -> tuple[Any, list[float]]:
+    """``steps`` engine steps under ``torch.profiler`` with ``activities`` (synchronised before and
+    after when CUDA is among them), then the engine run dry: (the profile, the interval between
+    step returns)."""
+    cuda = torch.profiler.ProfilerActivity.CUDA in activities
+    if cuda:
+        torch.cuda.synchronize()
+    walls = []
+    with torch.profiler.profile(activities=activities) as prof:
+        last = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+            now = time.perf_counter()
+            walls.append(now - last)
+            last = now
+        if cuda:
+            torch.cuda.synchronize()
+    while engine.has_work():
+        engine.step()
+    return prof, walls
+
+
+def kernel_times(prof: Any) -> dict[str, list[float]]:
+    """GPU kernel name -> [microseconds, launches] summed over a profile."""
+    kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[ev.name[:KERNEL_NAME_CHARS]]
+            k[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            k[1] += 1
+    return kernels
+
+
 def profile_batch(engine, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
     add_random_requests(engine, batch, prompt_len, steps + 24, f"p{batch}", seed=batch)
     while any(g.samples[0].num_output_tokens == 0 for g in engine.groups.values()) or \
@@ -33,24 +70,8 @@ def profile_batch(engine, batch: int, prompt_len: int, steps: int) -> dict[str, 
         engine.step()
     for _ in range(8):
         engine.step()
-    torch.cuda.synchronize()
-    walls = []
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        last = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-            now = time.perf_counter()
-            walls.append(now - last)
-            last = now
-        torch.cuda.synchronize()
-    while engine.has_work():
-        engine.step()
-    kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels[ev.name[:120]]
-            k[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            k[1] += 1
+    prof, walls = profiled_steps(engine, steps, [torch.profiler.ProfilerActivity.CUDA])
+    kernels = kernel_times(prof)
     total_us = sum(v[0] for v in kernels.values())
     table: list[dict[str, Any]] = sorted(
         ({"kernel": n, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps} for n, v in kernels.items()),

@@ -708,15 +708,16 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
         for name, s in planners.items():
             runs[name] = Simulation(costs, reqs, prefill=p0, decode=gpus - p0, planner=s, **common).run()
             print(f"  {gpus} GPUs {name}: {time.perf_counter() - started:.0f} s", flush=True)
+        end = float(starts[-1])
+        planner_stats = {  # of the planner's runs, with or without the fixed splits
+            "recovery_intervals": {k: recovery(v["timeline"], phases, args) for k, v in runs.items()},
+            "reversals": {k: reversals(v["timeline"], phases) for k, v in runs.items()},
+            "violation_minutes": {k: violation_minutes(v["timeline"], args, end) for k, v in runs.items()}}
         if args.planner_only:
             out["by_gpus"][str(gpus)] = {
                 "phases": [{"phase": i, "mix": ph.mix, "rate_rps": ph.rate,
                             "goodput_rps": {k: v["phases"][i]["goodput_rps"] for k, v in runs.items()}}
-                           for i, ph in enumerate(phases)],
-                "recovery_intervals": {k: recovery(v["timeline"], phases, args) for k, v in runs.items()},
-                "reversals": {k: reversals(v["timeline"], phases) for k, v in runs.items()},
-                "violation_minutes": {k: violation_minutes(v["timeline"], args, float(starts[-1]))
-                                      for k, v in runs.items()}}
+                           for i, ph in enumerate(phases)], **planner_stats}
             continue
         alone: dict[str, list[dict[str, Any]]] = {}
         for i in range(len(phases)):
@@ -748,12 +749,10 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
                 row[f"{name}_over_worst"] = g[name] / g[worst] if g[worst] else None
                 row[f"{name}_over_colocated"] = g[name] / g["colocated"] if g["colocated"] else None
             per_phase.append(row)
-        end = float(starts[-1])
         out["by_gpus"][str(gpus)] = {
             "phases": per_phase,
-            "recovery_intervals": {k: recovery(v["timeline"], phases, args) for k, v in runs.items()},
-            "reversals": {k: reversals(v["timeline"], phases) for k, v in runs.items()},
-            "violation_minutes": {**{k: violation_minutes(v["timeline"], args, end) for k, v in runs.items()},
+            **planner_stats,
+            "violation_minutes": {**planner_stats["violation_minutes"],
                                   **{k: sum(violation_minutes(r["timeline"], args, ph.seconds) for r, ph in zip(v, phases))
                                      for k, v in alone.items()}},
             "violation_minutes_per_phase": {k: [violation_minutes(v["timeline"], args, starts[i + 1], starts[i])

@@ -34,7 +34,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,10 +43,11 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, median, write_result  # noqa: E402
-from bench.deepseek_v4_layers import expert_bytes, layer_cost, model_config  # noqa: E402
+from bench.decode_profile import KERNEL_NAME_CHARS, kernel_times, profiled_steps  # noqa: E402
+from bench.deepseek_v4_layers import model_config  # noqa: E402
 from bench.engine_gpu import add_random_requests, copy_bandwidth  # noqa: E402
 from bench.serve_gpu import WIDTH, write_model_dir  # noqa: E402
-from bench.v4_decode_gpu import make_engine  # noqa: E402
+from bench.v4_decode_gpu import make_engine, step_bytes  # noqa: E402
 
 PREFIX = "v4/"
 CLASSES = ("projections", "hyper_connections", "compressor", "indexer", "sparse_attention", "router", "moe",
@@ -128,21 +128,7 @@ def _profiled_steps(engine: Any, steps: int, on_gpu: bool, host_ops: bool = True
     activities = [torch.profiler.ProfilerActivity.CUDA] if on_gpu else []
     if host_ops or not on_gpu:
         activities.append(torch.profiler.ProfilerActivity.CPU)
-    if on_gpu:
-        torch.cuda.synchronize()
-    walls = []
-    with torch.profiler.profile(activities=activities) as prof:
-        last = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-            now = time.perf_counter()
-            walls.append(now - last)
-            last = now
-        if on_gpu:
-            torch.cuda.synchronize()
-    while engine.has_work():
-        engine.step()
-    return prof, walls
+    return profiled_steps(engine, steps, activities)
 
 
 def scoped_pass(engine: Any, batch: int, prompt: int, new: int, steps: int, on_gpu: bool
@@ -164,7 +150,7 @@ def scoped_pass(engine: Any, batch: int, prompt: int, new: int, steps: int, on_g
         for name, us in kernels:
             per_class[cls][0] += us
             per_class[cls][1] += 1
-            names[name[:160]][cls] += us
+            names[name[:KERNEL_NAME_CHARS]][cls] += us
     row = {"batch": batch, "steps": steps, "step_wall_ms": 1000 * median(walls[1:] or walls),
            "time_unit": "GPU kernel time" if on_gpu else "CPU self time (plumbing check)",
            "classes": {c: {"us_per_step": v[0] / steps, "kernels_per_step": v[1] / steps}
@@ -178,12 +164,7 @@ def graph_pass(engine: Any, batch: int, prompt: int, new: int, steps: int,
                name_class: dict[str, dict[str, float]]) -> dict[str, Any]:
     _settle(engine, batch, prompt, new, f"g{batch}")
     prof, walls = _profiled_steps(engine, steps, True, host_ops=False)
-    kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels[event.name[:160]]
-            k[0] += event.device_time_total
-            k[1] += 1
+    kernels = kernel_times(prof)
     per_class: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for name, (us, calls) in kernels.items():
         for cls, share in name_class.get(name, {"unmapped": 1.0}).items():  # a generic kernel: split as in eager
@@ -204,7 +185,6 @@ def class_bytes(model: Any, batch: int, context: int) -> dict[str, float]:
     """Bytes each class must read in one decode step (see the module's docstring)."""
     from cluster.models.deepseek_v4_moe import Gate
     from cluster.models.layers import Linear
-    args = model.args
     out: dict[str, float] = collections.defaultdict(float)
     for name, module in model.named_modules():
         if isinstance(module, Linear) and ".experts." not in name and not name.startswith("mtp"):
@@ -213,14 +193,9 @@ def class_bytes(model: Any, batch: int, context: int) -> dict[str, float]:
             out["router"] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
     weight = model.embed.weight if model.head is None else model.head.weight
     out["logits"] += weight.numel() * weight.element_size()
-    e, k = args.n_routed_experts, args.num_experts_per_tok
-    for kind, layer in zip(args.layer_types, model.layers):
-        stack = layer.ffn.experts
-        touched = e * (1 - (1 - k / e) ** batch)
-        cost = layer_cost(args, kind, [context] * batch, [1] * batch, touched,
-                          expert_bytes(stack.w13) + expert_bytes(stack.w2), (0, 0))
-        out["moe"] += cost["weight_bytes"]
-        out["attention_and_indexer_kv"] += cost["kv_bytes"]
+    routed = step_bytes(model, batch, context)  # the routed experts touched and the KV attended
+    out["moe"] += routed["routed_expert_bytes"]
+    out["attention_and_indexer_kv"] += routed["kv_bytes"]
     return dict(out)
 
 
