@@ -207,7 +207,7 @@ def make_requests(phases: list[Phase], seed: int = 0, max_len: int = 16384) -> d
 WAIT, PREFILL, TRANSFER, DECODE, DONE = 0, 1, 2, 3, 4
 #: The comparison's default ``Simulation.local_chunk_itl`` (``--local-chunk-itl``): what a served
 #: decode replica does (``TransferConfig.local_prefill_itl_share``; its engine sizes prompt chunks
-#: from measured steps, cluster.engine.step_loop.ChunkSizer).
+#: from measured steps, cluster.engine.scheduler.ChunkSizer).
 LOCAL_CHUNK_ITL = TransferConfig().local_prefill_itl_share
 
 #: The comparison's default ``Simulation.local_prefill_wait`` (``--local-prefill-wait``): prefill on

@@ -77,8 +77,7 @@ def scopes(model: nn.Module) -> Iterator[None]:
         setattr(obj, attr, _scoped(name, old))
         undo.append(lambda: setattr(obj, attr, old))
 
-    for fn in ("hc_pre", "hc_post", "hc_head"):
-        patch(deepseek_v4, fn, "hyper_connections")
+    patch(deepseek_v4, "hc_head", "hyper_connections")
     for fn in ("rope_tail", "unweighted_rms_norm"):
         patch(deepseek_v4_attention, fn, "norms_rotary")
     for module in model.modules():
@@ -97,6 +96,9 @@ def scopes(model: nn.Module) -> Iterator[None]:
             patch(module, "attention_kernel", "sparse_attention")
         elif isinstance(module, DeepseekV4MoE):
             patch(module, "moe_kernel", "moe")
+        if callable(getattr(module, "hc_pre", None)):  # a block or a DSpark stage
+            patch(module, "hc_pre", "hyper_connections")
+            patch(module, "hc_post", "hyper_connections")
     patch(model, "compute_logits", "logits")
     try:
         yield

@@ -129,7 +129,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     #: A step that carries prompt chunks is kept near this many seconds by sizing the chunks from
     #: the engine's own measured steps (Sarathi-Serve's TBT-sized token budget; see
-    #: ``cluster.engine.step_loop.ChunkSizer``); 0: off. The decode role sets it from the ITL
+    #: ``cluster.engine.scheduler.ChunkSizer``); 0: off. The decode role sets it from the ITL
     #: target (``local_prefill_itl_share``), so a prompt prefilled on a decode replica does not
     #: stall its decoding requests.
     prefill_step_target_s: float = 0.0

@@ -16,6 +16,10 @@
 - ``sparse_attention_ref``: single-KV-head attention (the entry is both K and V) of each query over
   its sliding window of token entries plus compressed entries (every visible one, or the indexer's
   picks), with a per-head attention sink in the softmax's denominator.
+- ``hc_pre_ref`` / ``hc_post_ref``: the manifold-constrained hyper-connections around every block:
+  the N residual streams collapsed into the block's input by "pre" weights, and the block output
+  spread back with "post" weights plus the Sinkhorn-projected (doubly stochastic) "comb" mixing of
+  the streams, all computed from the RMS-normalised streams.
 
 Paged layouts, per layer: token entries ``[num_blocks, block_size, D]`` (position ``p`` in block
 ``table[p // block_size]``), compressed entries ``[num_blocks, entries_per_block, D]``. A batch is a
@@ -148,3 +152,35 @@ def _attend_with_sinks(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, si
     combined = combined - combined.amax(dim=-1, keepdim=True)
     probs = combined.softmax(dim=-1)[..., :-1].to(kv.dtype)
     return torch.einsum("hls,sd->lhd", probs, kv)
+
+
+def hc_pre_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+               norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [T, N, H]`` (N streams) -> the block input ``[T, H]`` (streams collapsed by the "pre"
+    weights) and, for ``hc_post_ref``, the "post" weights ``[T, N]`` and the doubly-stochastic
+    (Sinkhorn projected, ``iters`` normalisations) "comb" mixing ``[T, N, N]`` (float32), all
+    computed from the unweighted-RMS-normalised streams. ``fn [(2 + N) * N, N * H]``, ``base
+    [(2 + N) * N]`` and ``scale [3]`` are float32."""
+    n = x.shape[1]
+    flat = x.flatten(1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = torch.nn.functional.linear(flat, fn.float())  # [T, (2 + N) * N]
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return collapsed, post, comb
+
+
+def hc_post_ref(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams ``[T, N, H]``: stream k = post[k] * block output + sum_j comb[j, k] * stream j
+    (``out [T, H]``, ``x [T, N, H]``, ``post [T, N]``, ``comb [T, N, N]``), in ``x``'s dtype."""
+    dtype = x.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)

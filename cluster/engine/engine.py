@@ -33,7 +33,7 @@ from cluster.engine.remote_kv import RemoteKV
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec_decode import Proposer, SpecDecodeStats, make_proposer
 from cluster.engine.spec_pipeline import InFlightVerify, SpecPipelining
-from cluster.engine.step_loop import ChunkSizer, StepLoop
+from cluster.engine.step_loop import StepLoop
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.draft_head import DEFAULT_DRAFT_HEADS, HeadDrafter, default_draft_head_path, load_draft_head
 from cluster.models.ops import REFERENCE_OPS
@@ -109,12 +109,6 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         self.scheduler_config = self._init_scheduler_config(scheduler_config)
         self._init_kv_cache()
         self.scheduler = Scheduler(self.scheduler_config, self.kv, cache_config.block_size)
-        #: Prompt chunks sized to keep steps near ``prefill_step_target_s`` (None: off).
-        self.chunk_sizer = (ChunkSizer(self.scheduler_config.prefill_step_target_s,
-                                       self.scheduler_config.max_num_batched_tokens)
-                            if self.scheduler_config.prefill_step_target_s > 0 else None)
-        if self.chunk_sizer is not None:
-            self.scheduler.prefill_chunk_cap = self.chunk_sizer.cap
         self.runner = ModelRunner(self.model, self.kv_specs, self.num_blocks, self.device, model_config.seed,
                                   kv_allocator)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler_config.max_model_len)

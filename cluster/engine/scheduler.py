@@ -5,9 +5,10 @@ with its token count as far as the budget allows (a long prompt is prefilled in 
 requests are served first, in arrival order; then waiting requests are admitted while the budget,
 ``max_num_seqs`` and the KV pool allow. When a running request cannot get a block, the most
 recently admitted running request is preempted (its blocks freed; it is recomputed later).
-A request's prompt chunk is also capped per step by ``long_prefill_token_threshold`` and by
-``prefill_chunk_cap`` (set from measured step times when ``prefill_step_target_s`` is on), so
-decoding requests keep their steps short while a long prompt is prefilled beside them.
+A request's prompt chunk is also capped per step by ``long_prefill_token_threshold`` and by the
+``ChunkSizer``'s cap (learned from measured step times when ``prefill_step_target_s`` is on; the
+step loop teaches it), so decoding requests keep their steps short while a long prompt is
+prefilled beside them.
 
 The same scheduler serves every role: ``prefill`` requests stop after their first token and keep
 their blocks for the transfer; ``decode`` requests enter WAITING_FOR_REMOTE_KV with blocks reserved
@@ -85,6 +86,37 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class ChunkSizer:
+    """Prompt chunks sized so that a step carrying them beside decoding requests takes about
+    ``target_s`` (Sarathi-Serve's TBT-sized token budget, learned from this engine's own steps
+    rather than profiled ahead).
+
+    A step of ``p`` prompt tokens that took ``t`` seconds suggests ``p * target_s / t`` tokens.
+    With a step's time ``a + b p`` (a fixed cost, then a cost per token) that suggestion lies
+    below the tokens that fill the target exactly, ``(target_s - a) / b``, whenever the step was
+    within the target, and iterating it converges there; over the target it shrinks the chunks
+    at once. Only steps whose chunk the cap bounded (or that overran the target) teach it: a
+    short prompt's step says nothing about a long one's. Growth is at most 2x a step."""
+
+    #: Chunks never go below this many tokens (a long prompt always progresses).
+    MIN_TOKENS = 16
+
+    def __init__(self, target_s: float, budget: int, initial: int = 256) -> None:
+        self.target_s = target_s
+        self.budget = budget
+        self.floor = min(self.MIN_TOKENS, budget)
+        self.cap = max(self.floor, min(initial, budget))
+
+    def observe(self, prompt_tokens: int, bounded: bool, seconds: float) -> int:
+        """A step with ``prompt_tokens`` prompt tokens (``bounded``: some chunk was cut to the
+        cap) beside decoding requests took ``seconds``; returns the cap for the next steps."""
+        if prompt_tokens <= 0 or seconds <= 0 or not (bounded or seconds > self.target_s):
+            return self.cap
+        suggested = int(prompt_tokens * self.target_s / seconds)
+        self.cap = max(self.floor, min(suggested, 2 * self.cap, self.budget))
+        return self.cap
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, block_size: int) -> None:
         self.config = config
@@ -102,13 +134,14 @@ class Scheduler:
         #: (a draft head's layer lags the target's by up to k + 1 positions): request id -> the
         #: tokens whose every layer is written; blocks past it are not cached yet.
         self.cache_limit: Callable[[str], int | None] | None = None
-        #: Prompt tokens a request may schedule per step, sized from measured steps
-        #: (``cluster.engine.step_loop.ChunkSizer``); None: no such cap.
-        self.prefill_chunk_cap: int | None = None
+        #: Prompt chunks sized to keep steps near ``prefill_step_target_s`` (None: off).
+        self.chunk_sizer = (ChunkSizer(config.prefill_step_target_s, config.max_num_batched_tokens)
+                            if config.prefill_step_target_s > 0 else None)
 
     def chunk_cap(self) -> int | None:
         """The most prompt tokens one request schedules this step (None: the budget decides)."""
-        caps = [c for c in (self.config.long_prefill_token_threshold, self.prefill_chunk_cap) if c]
+        measured = self.chunk_sizer.cap if self.chunk_sizer is not None else None
+        caps = [c for c in (self.config.long_prefill_token_threshold, measured) if c]
         return min(caps) if caps else None
 
     # --- admission ------------------------------------------------------------------------------

@@ -23,42 +23,11 @@ from cluster.engine.pipeline import InFlightStep
 from cluster.engine.spec_pipeline import InFlightVerify
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampler import SamplingRow
-from cluster.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from cluster.engine.scheduler import ChunkSizer, ScheduledRequest, Scheduler, SchedulerOutput
 from cluster.engine.draft_runner import DraftJob
 from cluster.engine.spec_decode import Proposer, SpecDecodeStats, accepted_length
 
 logger = logging.getLogger(__name__)
-
-
-class ChunkSizer:
-    """Prompt chunks sized so that a step carrying them beside decoding requests takes about
-    ``target_s`` (Sarathi-Serve's TBT-sized token budget, learned from this engine's own steps
-    rather than profiled ahead).
-
-    A step of ``p`` prompt tokens that took ``t`` seconds suggests ``p * target_s / t`` tokens.
-    With a step's time ``a + b p`` (a fixed cost, then a cost per token) that suggestion lies
-    below the tokens that fill the target exactly, ``(target_s - a) / b``, whenever the step was
-    within the target, and iterating it converges there; over the target it shrinks the chunks
-    at once. Only steps whose chunk the cap bounded (or that overran the target) teach it: a
-    short prompt's step says nothing about a long one's. Growth is at most 2x a step."""
-
-    #: Chunks never go below this many tokens (a long prompt always progresses).
-    MIN_TOKENS = 16
-
-    def __init__(self, target_s: float, budget: int, initial: int = 256) -> None:
-        self.target_s = target_s
-        self.budget = budget
-        self.floor = min(self.MIN_TOKENS, budget)
-        self.cap = max(self.floor, min(initial, budget))
-
-    def observe(self, prompt_tokens: int, bounded: bool, seconds: float) -> int:
-        """A step with ``prompt_tokens`` prompt tokens (``bounded``: some chunk was cut to the
-        cap) beside decoding requests took ``seconds``; returns the cap for the next steps."""
-        if prompt_tokens <= 0 or seconds <= 0 or not (bounded or seconds > self.target_s):
-            return self.cap
-        suggested = int(prompt_tokens * self.target_s / seconds)
-        self.cap = max(self.floor, min(suggested, 2 * self.cap, self.budget))
-        return self.cap
 
 
 class StepLoop:
@@ -83,7 +52,6 @@ class StepLoop:
     num_sync_steps: int
     proposer: Proposer | None
     spec_stats: SpecDecodeStats | None
-    chunk_sizer: ChunkSizer | None
 
     def has_work(self) -> bool:
         """Anything to step for: unfinished requests, outputs not yet returned, quarantined blocks,
@@ -120,15 +88,16 @@ class StepLoop:
             self.num_sync_steps += 1
             forks = self._forks(sched)
             self._inputs(sched, forks)
-            started = time.perf_counter()
+            sizer = self.scheduler.chunk_sizer
+            started = time.perf_counter() if sizer is not None else 0.0
             try:
                 result = self.runner.execute(sched)
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the loop
                 logger.exception("model step failed")
                 self._fail([s.request for s in sched.scheduled], exc)
             else:
-                if self.chunk_sizer is not None:
-                    self._size_chunks(sched, time.perf_counter() - started)
+                if sizer is not None:
+                    self._size_chunks(sizer, sched, time.perf_counter() - started)
                 for children in forks.values():
                     for c in children:
                         self._first_tokens[c.request_id] = (result.sampled[c.request_id],
@@ -136,17 +105,15 @@ class StepLoop:
                 self._process(sched.scheduled, result)
         return self._collect()
 
-    def _size_chunks(self, sched: SchedulerOutput, seconds: float) -> None:
+    @staticmethod
+    def _size_chunks(sizer: ChunkSizer, sched: SchedulerOutput, seconds: float) -> None:
         """Teach the chunk sizer from a step that carried prompt chunks beside decoding requests
         (such a step samples their tokens, so its time is the device's, not just the launch)."""
-        assert self.chunk_sizer is not None
         prompt = [s for s in sched.scheduled if s.num_new_tokens > 1 and not s.draft_token_ids]
         if not prompt or len(prompt) == len(sched.scheduled):
             return
-        cap = self.scheduler.prefill_chunk_cap
-        bounded = any(s.num_new_tokens == cap and not s.samples for s in prompt)
-        self.scheduler.prefill_chunk_cap = self.chunk_sizer.observe(
-            sum(s.num_new_tokens for s in prompt), bounded, seconds)
+        bounded = any(s.num_new_tokens == sizer.cap and not s.samples for s in prompt)
+        sizer.observe(sum(s.num_new_tokens for s in prompt), bounded, seconds)
 
     def _inputs(self, sched: SchedulerOutput, forks: dict[str, list[Request]]) -> None:
         """Fill what the runner reads of each scheduled request, from its state now: the input

@@ -34,7 +34,7 @@ from cluster.models.deepseek_v4_attention import DeepseekV4Attention
 from cluster.models.deepseek_v4_config import CSA, DeepseekV4Args
 from cluster.models.deepseek_v4_dspark import DSparkDrafter, DSparkStage
 from cluster.models.deepseek_v4_kv import LayerKV, deepseek_v4_kv_specs, layer_kv_layout
-from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head, hc_post, hc_pre
+from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head
 from cluster.models.deepseek_v4_moe import DeepseekV4MoE
 from cluster.models.ops import REFERENCE_OPS, Ops, base_components
 from cluster.models.deepseek_v4_quant import QuantScheme, expert_kernel_format
@@ -65,16 +65,17 @@ class DeepseekV4Block(nn.Module):
         mixes = (2 + args.hc_mult) * args.hc_mult
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_params(args, mixes)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_params(args, mixes)
+        self.hc_pre, self.hc_post = ops.v4_hc_pre, ops.v4_hc_post
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext, rope: V4Rope) -> torch.Tensor:
         """``x [T, hc_mult, hidden]`` -> the same."""
         a = self.args
-        h, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, a.hc_sinkhorn_iters,
-                               a.hc_eps, a.rms_norm_eps)
-        x = hc_post(self.attn(self.attn_norm(h), ctx, rope), x, post, comb)
-        h, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a.hc_sinkhorn_iters,
-                               a.hc_eps, a.rms_norm_eps)
-        return hc_post(self.ffn(self.ffn_norm(h), input_ids), x, post, comb)
+        h, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                    a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
+        x = self.hc_post(self.attn(self.attn_norm(h), ctx, rope), x, post, comb)
+        h, post, comb = self.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                    a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
+        return self.hc_post(self.ffn(self.ffn_norm(h), input_ids), x, post, comb)
 
 
 class DeepseekV4MTPLayer(DeepseekV4Block):
@@ -250,6 +251,7 @@ def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]
     QuantScheme.from_config(config)  # an unknown format fails here, by name
     components = [c for c in base_components() if c[1] in _SHARED_OPS]
     components.append(("v4_sparse_attention", "v4_sparse_attention", "bf16", "main"))
+    components += [("v4_hc_pre", "v4_hc_pre", "bf16", "main"), ("v4_hc_post", "v4_hc_post", "bf16", "main")]
     if CSA in DeepseekV4Args.from_hf(config).layer_types:
         components.append(("v4_indexer", "v4_indexer", "bf16", "main"))
     components.append(("moe", "moe", expert_kernel_format(config, "main"), "main"))

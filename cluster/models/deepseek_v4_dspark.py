@@ -40,7 +40,7 @@ from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4_attention import DeepseekV4Attention
 from cluster.models.deepseek_v4_config import SLIDING, DeepseekV4Args, DSparkArgs
 from cluster.models.deepseek_v4_kv import LayerKV
-from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head, hc_post, hc_pre, rope_tail, unweighted_rms_norm
+from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head, rope_tail, unweighted_rms_norm
 from cluster.models.layers import Embedding, Linear
 from cluster.models.ops import REFERENCE_OPS, Ops
 
@@ -115,6 +115,7 @@ class DSparkStage(nn.Module):
         self.attn, self.ffn, self.attn_norm, self.ffn_norm = block.attn, block.ffn, block.attn_norm, block.ffn_norm
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = block.hc_attn_fn, block.hc_attn_base, block.hc_attn_scale
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = block.hc_ffn_fn, block.hc_ffn_base, block.hc_ffn_scale
+        self.hc_pre, self.hc_post = block.hc_pre, block.hc_post
         h = args.hidden_size
         if index == 0:
             self.main_proj = Linear(len(d.target_layer_ids) * h, h, False, dtype)
@@ -130,12 +131,12 @@ class DSparkStage(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [N * B, hc_mult, hidden]`` -> the same."""
         a = self.args
-        h, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, a.hc_sinkhorn_iters,
-                               a.hc_eps, a.rms_norm_eps)
-        x = hc_post(self.attn.block(self.attn_norm(h), context, valid, cos, sin), x, post, comb)
-        h, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a.hc_sinkhorn_iters,
-                               a.hc_eps, a.rms_norm_eps)
-        return hc_post(self.ffn(self.ffn_norm(h), input_ids), x, post, comb)
+        h, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                    a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
+        x = self.hc_post(self.attn.block(self.attn_norm(h), context, valid, cos, sin), x, post, comb)
+        h, post, comb = self.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                    a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
+        return self.hc_post(self.ffn(self.ffn_norm(h), input_ids), x, post, comb)
 
 
 class DSparkDrafter:

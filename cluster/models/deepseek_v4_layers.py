@@ -1,7 +1,8 @@
 """DeepSeek-V4 building blocks shared by its attention, MoE and model: RMSNorm with float32
 weights, the unweighted RMSNorm, the two RoPE flavours applied to each head's trailing (interleaved)
 rope slice, and the manifold-constrained hyper-connections (mHC) that mix ``hc_mult`` residual
-streams in and out of every block.
+streams in and out of every block: here ``hc_head``, the final collapse; the per-block collapse and
+spread are the ops ``Ops.v4_hc_pre`` / ``Ops.v4_hc_post`` (references in ``kernels.deepseek_v4_ref``).
 
 The norm and the rotation run the resolved kernels (``Ops.rms_norm``, ``Ops.rotary``). Both compute
 in float32; in a float32 model they equal transformers' bit for bit. In a bf16 model the norm
@@ -61,34 +62,6 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     with the ``rotary`` kernel; heads are laid out ``[nope | rope]``."""
     rot = 2 * cos.shape[-1]
     return torch.cat([x[..., :-rot], rotary(x[..., -rot:], cos, sin, True)], dim=-1)
-
-
-def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [T, N, H]`` (N streams) -> the block input ``[T, H]`` (streams collapsed by the "pre"
-    weights) and, for ``hc_post``, the "post" weights ``[T, N]`` and the doubly-stochastic (Sinkhorn
-    projected) "comb" mixing ``[T, N, N]``, all computed from the normalised streams."""
-    n = x.shape[1]
-    flat = unweighted_rms_norm(x.flatten(1).float(), norm_eps)
-    mixes = nn.functional.linear(flat, fn.float())  # [T, (2 + N) * N]
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre_s, post_s, comb_s = scale.float().unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-    return collapsed, post, comb
-
-
-def hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New streams ``[T, N, H]``: stream k = post[k] * block output + sum_j comb[j, k] * stream j."""
-    dtype = x.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,

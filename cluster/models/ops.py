@@ -13,7 +13,7 @@ from cluster.common.errors import UnsupportedSettingError
 from kernels import dispatch
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref, write_kv_cache
-from kernels.deepseek_v4_ref import indexer_topk_ref, sparse_attention_ref
+from kernels.deepseek_v4_ref import hc_post_ref, hc_pre_ref, indexer_topk_ref, sparse_attention_ref
 from kernels.linear import linear_ref
 from kernels.moe import fused_moe_ref
 from kernels.norm import rms_norm_ref
@@ -40,6 +40,9 @@ class Ops:
     #: DeepSeek-V4: sparse attention (window + compressed entries + sinks), lightning indexer top-k.
     v4_sparse_attention: Callable[..., torch.Tensor] = sparse_attention_ref
     v4_indexer: Callable[..., torch.Tensor] = indexer_topk_ref
+    #: DeepSeek-V4: the hyper-connections around every block (collapse + Sinkhorn mixing, spread).
+    v4_hc_pre: Callable[..., Any] = hc_pre_ref
+    v4_hc_post: Callable[..., torch.Tensor] = hc_post_ref
     #: Dense projections (``gated=True``: a SwiGLU MLP's fused gate/up projection and its activation).
     linear: Callable[..., torch.Tensor] = linear_ref
     #: Speculative decoding's device bookkeeping (a verify step's rows; its acceptance and the

@@ -9,7 +9,7 @@ import pytest
 from cluster import LLM, SamplingParams
 from cluster.common.errors import UnsupportedSettingError
 from cluster.config import ClusterConfig, SchedulerConfig, TransferConfig, parse_cluster_args
-from cluster.engine.step_loop import ChunkSizer
+from cluster.engine.scheduler import ChunkSizer
 from tests.engine.test_scheduler import make_scheduler, req, run_step
 
 
@@ -33,11 +33,12 @@ def test_the_measured_cap_takes_the_lower_of_the_two():
     s = make_scheduler(budget=32)
     s.config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
                                long_prefill_token_threshold=12)
-    s.prefill_chunk_cap = 6
+    s.chunk_sizer = ChunkSizer(0.05, budget=32)
+    s.chunk_sizer.cap = 6  # as if measured
     r = req("a", 20)
     s.add_request(r)
     assert [run_step(s).scheduled[0].num_new_tokens for _ in range(4)] == [6, 6, 6, 2]
-    s.prefill_chunk_cap = 40
+    s.chunk_sizer.cap = 40
     assert s.chunk_cap() == 12
 
 
@@ -113,7 +114,7 @@ def test_a_long_prompt_beside_a_decoding_request_is_chunked_to_the_target_withou
     capped = LLM("smollm2", max_num_batched_tokens=1024, enable_prefix_caching=False, prefill_step_target_s=0.01)
     got, steps = _engine_steps(capped, prompts, params)
     assert got[1] == want[1] and len(got[0]) == len(want[0]) == 24
-    cap_seen = capped.engine.scheduler.prefill_chunk_cap
+    cap_seen = capped.engine.scheduler.chunk_sizer.cap
     assert cap_seen is not None and cap_seen < 256  # a 10 ms target on a CPU: small chunks
     prompt_steps = [s for s in steps if s.get("r1", 0) > 1]
     assert len(prompt_steps) >= 3 and all(s["r1"] <= 256 for s in prompt_steps)

@@ -253,6 +253,77 @@ def test_gpu_v4_flash_shapes(decode: bool) -> None:
         _check(sparse_attention_triton(*attn), sparse_attention_ref(*attn), 3e-2)
 
 
+# --- hyper-connections (hc_pre: streams collapsed + Sinkhorn mixing; hc_post: streams spread) ---
+
+
+def _hc_inputs(t: int, n: int, h: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    m = (2 + n) * n
+    x = torch.randn(t, n, h, generator=g).to(dtype)
+    fn = torch.randn(m, n * h, generator=g) * 0.05
+    base, scale = torch.randn(m, generator=g) * 0.5, torch.rand(3, generator=g) + 0.5
+    out = torch.randn(t, h, generator=g).to(dtype)
+    return tuple(v.to(DEVICE) for v in (x, fn, base, scale, out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,n,h", [(1, 4, 64), (5, 4, 96), (19, 2, 40), (2, 3, 300)])
+def test_hyper_connections(t: int, n: int, h: int, dtype: torch.dtype) -> None:
+    """hc_pre (split mixes, Sinkhorn in registers, collapse) and hc_post against the references:
+    float32 to its rounding, bf16 to one ulp of the outputs; N not a power of two, H not a
+    multiple of the slice, scratch and outputs poisoned."""
+    from kernels.deepseek_v4_ref import hc_post_ref, hc_pre_ref
+    from kernels.triton_deepseek_v4_hc import hc_post_triton, hc_pre_triton
+
+    x, fn, base, scale, out = _hc_inputs(t, n, h, dtype, seed=t * 7 + n)
+    ref = hc_pre_ref(x, fn, base, scale, 20, 1e-6, 1e-6)
+    with poisoned_allocations():
+        got = hc_pre_triton(x, fn, base, scale, 20, 1e-6, 1e-6)
+        spread = hc_post_triton(out, x, ref[1], ref[2])
+    ulp = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == torch.float32
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2].sum(-2), torch.ones(t, n, device=DEVICE), rtol=0, atol=1e-4)  # columns
+    torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=ulp, atol=ulp)
+    torch.testing.assert_close(spread.float(), hc_post_ref(out, x, ref[1], ref[2]).float(), rtol=2 * ulp, atol=2 * ulp)
+
+
+def test_hyper_connections_rows_do_not_depend_on_the_batch() -> None:
+    """A token's results are the same alone as in a batch (fixed K chunks, fixed sum order), bit
+    for bit: decode, verify and prefill rows of one token agree."""
+    from kernels.triton_deepseek_v4_hc import hc_post_triton, hc_pre_triton
+
+    x, fn, base, scale, out = _hc_inputs(9, 4, 640, torch.bfloat16, seed=3)
+    batch = hc_pre_triton(x, fn, base, scale, 20, 1e-6, 1e-6)
+    spread = hc_post_triton(out, x, batch[1], batch[2])
+    for row in (0, 4, 8):
+        alone = hc_pre_triton(x[row:row + 1], fn, base, scale, 20, 1e-6, 1e-6)
+        for a, b in zip(alone, batch):
+            assert torch.equal(a[0], b[row])
+        assert torch.equal(hc_post_triton(out[row:row + 1], x[row:row + 1], alone[1], alone[2])[0], spread[row])
+    empty = hc_pre_triton(x[:0], fn, base, scale, 20, 1e-6, 1e-6)
+    assert [tuple(e.shape) for e in empty] == [(0, 640), (0, 4), (0, 4, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("t", [1, 32, 4096])
+def test_gpu_hyper_connections_v4_flash_width(t: int) -> None:
+    """V4-Flash: 4 streams of 4096, 20 Sinkhorn iterations, bf16 streams."""
+    from kernels.deepseek_v4_ref import hc_post_ref, hc_pre_ref
+    from kernels.triton_deepseek_v4_hc import hc_post_triton, hc_pre_triton
+
+    x, fn, base, scale, out = _hc_inputs(t, 4, 4096, torch.bfloat16, seed=t)
+    ref = hc_pre_ref(x, fn, base, scale, 20, 1e-6, 1e-6)
+    got = hc_pre_triton(x, fn, base, scale, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=2 ** -7, atol=2 ** -6)
+    torch.testing.assert_close(hc_post_triton(out, x, ref[1], ref[2]).float(),
+                               hc_post_ref(out, x, ref[1], ref[2]).float(), rtol=2 ** -6, atol=2 ** -5)
+
+
 # --- sm_90 / sm_120 builds (ahead of time, no GPU needed; see tests/kernels/portability_check.py) ---
 
 
@@ -285,6 +356,18 @@ def _portability_cases() -> list[tuple[str, object, tuple[object, ...], dict[str
         cases.append((f"v4_indexer_topk_{'tile' if one_tile else 'tiles'}", indexer._topk_kernel,
                       (scores, picks, loc, loc, 0, 128, 8, 4, 512, 2048, 512),
                       dict(BLOCK=4096, ONE_TILE=one_tile, num_warps=8)))
+    from kernels import triton_deepseek_v4_hc as hc
+    streams, fn, part, sq = t(64, 4, 4096), t(24, 16384, dtype=f32), t(64, 64, 32, dtype=f32), t(64, 64, dtype=f32)
+    cases.append(("v4_hc_mix", hc._hc_mix_kernel, (streams, fn, part, sq, 64, 16384, 16384, 64),
+                  dict(M=24, M_PAD=32, CHUNK_K=hc.CHUNK, BLOCK_T=16, BLOCK_K=hc.BLOCK_K, num_warps=4)))
+    post, comb, block_out = t(64, 4, dtype=f32), t(64, 4, 4, dtype=f32), t(64, 4096)
+    cases.append(("v4_hc_pre_finish", hc._hc_pre_finish_kernel,
+                  (part, sq, streams, t(24, dtype=f32), t(3, dtype=f32), block_out, post, comb, 16384, 4096, 64,
+                   16384, 4096, 4096, 1e-6, 1e-6),
+                  dict(ITERS=20, N=4, N_PAD=4, M_PAD=32, S_PAD=64, BLOCK_H=512, num_warps=4)))
+    cases.append(("v4_hc_post", hc._hc_post_kernel,
+                  (block_out, streams, post, comb, streams, 4096, 4096, 16384, 4096, 16384, 4096),
+                  dict(N=4, N_PAD=4, BLOCK_H=256, num_warps=4)))
     return cases
 
 
@@ -324,7 +407,7 @@ def test_v4_kernels_compile_for_sm90_and_sm120() -> None:
     failures = [r for r in records if "error" in r]
     assert not failures, json.dumps(failures, indent=1)
     names = {r["kernel"] for r in records}
-    assert len(names) == 7
+    assert len(names) == 10
     for name in names:
         sm120 = [(r["shared"], r["config"]) for r in records if r["kernel"] == name and r["arch"] == "sm_120"]
         assert sm120 and all(shared <= SM120_SHARED_LIMIT for shared, _ in sm120), (name, sm120)

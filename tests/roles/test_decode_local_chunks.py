@@ -58,6 +58,6 @@ def test_a_decode_replica_prefilling_locally_keeps_decoding_between_chunks():
         decode.shutdown()
     assert long_tokens == want
     during = [t for t in arrivals if sent <= t <= first]
-    cap = engine.scheduler.prefill_chunk_cap
+    cap = engine.scheduler.chunk_sizer.cap
     assert cap is not None and cap < len(engine.tokenizer.encode(LONG)) // 3  # the prompt took several chunks
     assert len(during) >= 3  # ... and the short request decoded between them
