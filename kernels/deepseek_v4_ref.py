@@ -16,6 +16,12 @@
 - ``sparse_attention_ref``: single-KV-head attention (the entry is both K and V) of each query over
   its sliding window of token entries plus compressed entries (every visible one, or the indexer's
   picks), with a per-head attention sink in the softmax's denominator.
+- ``compress_decode_ref``: a compressor's pools after one more token per row (a decode or verify
+  step): the carried window(s) merge the token's gate and value, and a window the token completes
+  restarts (CSA: its overlap half becomes the next entry's start).
+- ``compress_store_ref``: a decode step's completed entries (or CSA's indexer keys): RMS-normalised
+  with the compressor's norm weight, the tail rotated by the compress RoPE at the entry's first
+  position, written to the paged cache where the token completed its window.
 - ``hc_pre_ref`` / ``hc_post_ref``: the manifold-constrained hyper-connections around every block:
   the N residual streams collapsed into the block's input by "pre" weights, and the block output
   spread back with "post" weights plus the Sinkhorn-projected (doubly stochastic) "comb" mixing of
@@ -32,6 +38,9 @@ references accept and ignore, so that every implementation has one signature.
 from __future__ import annotations
 
 import torch
+
+from kernels.norm import rms_norm_ref
+from kernels.rotary import apply_rotary_ref, rope_cos_sin
 
 #: The log-sum-exp of an empty pool: finite, so merging two empty pools stays well defined.
 EMPTY_LSE = -1e30
@@ -184,3 +193,65 @@ def hc_post_ref(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
     (``out [T, H]``, ``x [T, N, H]``, ``post [T, N]``, ``comb [T, N, N]``), in ``x``'s dtype."""
     dtype = x.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+
+
+def compress_decode_ref(carry: torch.Tensor, positions: torch.Tensor, ratio: int, gate: torch.Tensor,
+                        value: torch.Tensor, index_gate: torch.Tensor | None = None,
+                        index_value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row. ``carry``: each row's pools before the token, float32 ``[B, 2, C]`` (HCA:
+    ``[lse | mean]`` of the window in progress) or ``[B, 2, 2, C]`` (CSA: the entry in progress, then
+    the overlap pool of the next entry); ignored where ``positions == 0`` (an empty pool). ``gate``
+    / ``value [B, W]`` (float32): the compressor's projections, ``W = C`` for HCA, ``2 * d`` for CSA
+    (``[A | B]`` halves); CSA's indexer compressor ``index_gate`` / ``index_value [B, 2 * di]`` rides
+    along as the last ``di`` channels (``C = d + di``). Returns the pools after the token (same
+    shape as ``carry``; a window the token completes, ``positions % ratio == ratio - 1``, restarts)
+    and each row's entry pooled so far ``[B, C]`` (the complete entry where the window completes)."""
+    fresh = (positions == 0).view(-1, *([1] * (carry.dim() - 1)))
+    empty_pair = torch.zeros_like(carry)
+    empty_pair[..., 0, :] = EMPTY_LSE
+    carry = torch.where(fresh, empty_pair, carry.float())
+    done = positions % ratio == ratio - 1
+    gate, value = gate.float(), value.float()
+    if carry.dim() == 3:
+        series_b, series_a = (gate, value), None
+    else:
+        d = gate.shape[1] // 2
+        if index_gate is None or index_value is None:
+            series_a, series_b = (gate[:, :d], value[:, :d]), (gate[:, d:], value[:, d:])
+        else:
+            di = index_gate.shape[1] // 2
+            ig, iv = index_gate.float(), index_value.float()
+            series_a = (torch.cat([gate[:, :d], ig[:, :di]], -1), torch.cat([value[:, :d], iv[:, :di]], -1))
+            series_b = (torch.cat([gate[:, d:], ig[:, di:]], -1), torch.cat([value[:, d:], iv[:, di:]], -1))
+    carry_b = carry if series_a is None else carry[:, 0]  # [B, 2, C]
+    lse_b, mean_b = merge_pools_ref(carry_b[:, 0], carry_b[:, 1], *series_b)
+    empty = torch.stack([torch.full_like(lse_b, EMPTY_LSE), torch.zeros_like(mean_b)], dim=1)  # [B, 2, C]
+    b = torch.stack([lse_b, mean_b], dim=1)
+    if series_a is None:
+        return torch.where(done[:, None, None], empty, b), mean_b
+    lse_a, mean_a = merge_pools_ref(carry[:, 1, 0], carry[:, 1, 1], *series_a)
+    a = torch.stack([lse_a, mean_a], dim=1)
+    # In progress: [entry so far, overlap part so far]; completed: [overlap part -> next entry, empty].
+    return torch.where(done[:, None, None, None], torch.stack([a, empty], dim=1), torch.stack([b, a], dim=1)), mean_b
+
+
+def compress_store_ref(pooled: torch.Tensor, index: torch.Tensor, done: torch.Tensor, weight: torch.Tensor,
+                       eps: float, inv_freq: torch.Tensor, ratio: int, scaling: float, cache: torch.Tensor,
+                       table: torch.Tensor) -> None:
+    """Store the entries a decode step completed. ``pooled [B, n]`` (float32, a strided view
+    allowed): row i's pool of window ``index[i]``, complete where ``done[i]``; ``weight [n]`` the
+    entry norm's (float32); ``inv_freq [rot / 2]``, ``scaling``: the compress RoPE, applied to the
+    last ``rot`` channels (interleaved pairs) at position ``index * ratio``; ``cache [num_blocks,
+    per_block, n]`` (a per-layer view, the model's dtype) with ``table [B, max_blocks]``. Rounds as
+    the model's norm and rotary ops do: the pool and the normalised row to the cache's dtype, the
+    weighted row again, the rotation computed in float32. Rows not done write the null block 0
+    (an entry in progress may lie past the blocks allocated so far: its column is clamped)."""
+    dtype = cache.dtype
+    x = rms_norm_ref(pooled.to(dtype), weight, eps)[0].to(dtype)
+    cos, sin = rope_cos_sin(inv_freq, index * ratio, scaling)
+    rot = 2 * cos.shape[-1]
+    x = torch.cat([x[:, :-rot], apply_rotary_ref(x[:, None, -rot:], cos, sin, True)[:, 0]], dim=-1)
+    per_block = cache.shape[1]
+    column = (index // per_block).clamp(max=table.shape[1] - 1)
+    blocks = table.long().gather(1, column[:, None])[:, 0]
+    cache[torch.where(done, blocks, 0), index % per_block] = x

@@ -26,10 +26,11 @@ import triton.language as tl
 
 from kernels.triton_support import exact_dot
 
-#: Columns of ``flat`` per program of the mixes kernel (a multiple of ``BLOCK_K``): 64 programs a
-#: token at V4-Flash width (K = 4 x 4096).
-CHUNK = 256
-BLOCK_K = 64
+#: Columns of ``flat`` per program of the mixes kernel (a multiple of ``BLOCK_K``): 128 programs
+#: a token at V4-Flash width (K = 4 x 4096), each one load of its slice of ``fn`` (at 256 columns
+#: and 64 programs the batch-1 call took 11 us: four dependent loads a program).
+CHUNK = 128
+BLOCK_K = 128
 
 
 @triton.jit
@@ -156,12 +157,13 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     block_t = 16 if t <= 512 else 64
     _hc_mix_kernel[(triton.cdiv(t, block_t), splits)](
         x, fn, part, sq, t, k, x.stride(0), splits, M=m, M_PAD=m_pad, CHUNK_K=CHUNK, BLOCK_T=block_t,
-        BLOCK_K=BLOCK_K, num_warps=4)
+        BLOCK_K=BLOCK_K, num_warps=4 if block_t == 16 else 8)
     block_h = min(512, triton.next_power_of_2(h))
     _hc_pre_finish_kernel[(t, triton.cdiv(h, block_h))](
         part, sq, x, base, scale, out, post, comb, k, h, splits, x.stride(0), x.stride(1), out.stride(0),
         eps, norm_eps, ITERS=iters, N=n, N_PAD=max(2, triton.next_power_of_2(n)), M_PAD=m_pad,
-        S_PAD=triton.next_power_of_2(splits), BLOCK_H=block_h, num_warps=4)
+        S_PAD=triton.next_power_of_2(splits), BLOCK_H=block_h, num_warps=1)  # one warp: the Sinkhorn
+    # iterations' 40 reductions of a 4 x 4 matrix stay in warp shuffles (no shared-memory barriers)
     return out, post, comb
 
 

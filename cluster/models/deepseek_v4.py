@@ -31,7 +31,7 @@ from torch import nn
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4_attention import DeepseekV4Attention
-from cluster.models.deepseek_v4_config import CSA, DeepseekV4Args
+from cluster.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Args
 from cluster.models.deepseek_v4_dspark import DSparkDrafter, DSparkStage
 from cluster.models.deepseek_v4_kv import LayerKV, deepseek_v4_kv_specs, layer_kv_layout
 from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head
@@ -252,6 +252,9 @@ def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]
     components = [c for c in base_components() if c[1] in _SHARED_OPS]
     components.append(("v4_sparse_attention", "v4_sparse_attention", "bf16", "main"))
     components += [("v4_hc_pre", "v4_hc_pre", "bf16", "main"), ("v4_hc_post", "v4_hc_post", "bf16", "main")]
+    if any(t != SLIDING for t in DeepseekV4Args.from_hf(config).layer_types):
+        components += [("v4_compress_decode", "v4_compress_decode", "bf16", "main"),
+                       ("v4_compress_store", "v4_compress_store", "bf16", "main")]
     if CSA in DeepseekV4Args.from_hf(config).layer_types:
         components.append(("v4_indexer", "v4_indexer", "bf16", "main"))
     components.append(("moe", "moe", expert_kernel_format(config, "main"), "main"))

@@ -57,6 +57,7 @@ class DeepseekV4Attention(nn.Module):
         super().__init__()
         self.args, self.layer_type, self.kv = args, layer_type, kv
         self.attention_kernel, self.rotary = ops.v4_sparse_attention, ops.rotary
+        self.compress_kernel, self.store_kernel = ops.v4_compress_decode, ops.v4_compress_store
         #: The first position whose window entry may be attended (an MTP layer: 1; see deepseek_v4_mtp).
         self.min_position = 0
         self.num_heads, self.head_dim = args.num_heads, args.head_dim
@@ -125,20 +126,21 @@ class DeepseekV4Attention(nn.Module):
         assert self.compressor is not None and self.kv.state is not None and self.kv.compressed is not None
         d = self.head_dim
         kv, gate = self.compressor.project(h, ctx.positions)
-        if self.indexer is None:
+        ikv = igate = None
+        if self.indexer is not None:
+            ikv, igate = self.indexer.compressor.project(h, ctx.positions)
+        if h.shape[0] == len(ctx.seq_lens_cpu):  # a decode step: one token per sequence, batched
+            step = decode_step((gate, kv, igate, ikv), ctx, self.ratio, *self.kv.state, advance=self.compress_kernel)
+            self._store_done(ctx, self.kv.compressed, step, step.pooled[:, :d], self.compressor.norm, rope)
+            if self.indexer is not None and self.kv.index is not None:
+                self._store_done(ctx, self.kv.index, step, step.pooled[:, d:], self.indexer.compressor.norm, rope)
+            return
+        if igate is None or ikv is None:
             series_b, series_a = (gate, kv), None
         else:
-            ikv, igate = self.indexer.compressor.project(h, ctx.positions)
-            di = self.indexer.head_dim
+            di = self.indexer.head_dim  # type: ignore[union-attr]
             series_a = (torch.cat([gate[:, :d], igate[:, :di]], -1), torch.cat([kv[:, :d], ikv[:, :di]], -1))
             series_b = (torch.cat([gate[:, d:], igate[:, di:]], -1), torch.cat([kv[:, d:], ikv[:, di:]], -1))
-        if h.shape[0] == len(ctx.seq_lens_cpu):  # a decode step: one token per sequence, batched
-            step = decode_step(series_b, series_a, ctx, self.ratio, *self.kv.state)
-            entries, keys = self._finish_entries(step.pooled, step.index, rope, h.dtype)
-            self._store_done(ctx, self.kv.compressed, step, entries)
-            if keys is not None and self.kv.index is not None:
-                self._store_done(ctx, self.kv.index, step, keys)
-            return
         runner = ChunkCompressor(self.ratio, *self.kv.state)
         for seq, first, pooled in runner.run(series_b, series_a, ctx):
             index = torch.arange(pooled.shape[0], device=h.device) + first
@@ -161,25 +163,13 @@ class DeepseekV4Attention(nn.Module):
         keys = self.indexer.compressor.norm(pooled[:, d:].to(dtype))
         return entries, rope_tail(keys.unsqueeze(1), cos, sin, self.rotary)[:, 0]
 
-    @staticmethod
-    def _store_done(ctx: ForwardContext, where: tuple[int, int], step: DecodeEntries, entries: torch.Tensor) -> None:
-        """Store row i's entry at its window's index where ``step.done[i]``; other rows write back
-        what their slot holds (no host synchronisation to pick the rows)."""
+    def _store_done(self, ctx: ForwardContext, where: tuple[int, int], step: DecodeEntries, pooled: torch.Tensor,
+                    norm: V4RMSNorm, rope: V4Rope) -> None:
+        """Normalise, rotate and store row i's entry (``pooled [B, n]``) at its window's index where
+        ``step.done[i]`` (``Ops.v4_compress_store``; no host synchronisation to pick the rows)."""
         group, layer = where
-        cache = ctx.kv_caches[group][:, layer]  # [num_blocks, entries_per_block, width]
-        per_block = cache.shape[1]
-        table = ctx.block_tables[group].long()
-        # An entry in progress may lie past the blocks allocated so far (only complete entries
-        # need one): clamp, and such a row writes back what the clamped slot holds.
-        column = (step.index // per_block).clamp(max=table.shape[1] - 1)
-        blocks = table.gather(1, column[:, None])[:, 0]
-        slots = step.index % per_block
-        if ctx.verify_slot is not None:
-            # A verify step: a request's rows may share a window, and only the one that completes
-            # it may write there; the others write into the null block.
-            cache[torch.where(step.done, blocks, 0), slots] = entries.to(cache.dtype)
-            return
-        cache[blocks, slots] = torch.where(step.done[:, None], entries.to(cache.dtype), cache[blocks, slots])
+        self.store_kernel(pooled, step.index, step.done, norm.weight, norm.eps, rope.compress_inv_freq, self.ratio,
+                          rope.scaling["compress"], ctx.kv_caches[group][:, layer], ctx.block_tables[group])
 
     @staticmethod
     def _store(ctx: ForwardContext, where: tuple[int, int], seq: int, first: int, entries: torch.Tensor) -> None:

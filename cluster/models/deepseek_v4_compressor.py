@@ -27,6 +27,7 @@ which writes them again).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4_layers import V4RMSNorm
 from cluster.models.layers import Linear
 from cluster.models.ops import REFERENCE_OPS, Ops
-from kernels.deepseek_v4_ref import EMPTY_LSE, merge_pools_ref, softmax_pool_prefix_ref
+from kernels.deepseek_v4_ref import EMPTY_LSE, compress_decode_ref, merge_pools_ref, softmax_pool_prefix_ref
 
 
 class CompressorWeights(nn.Module):
@@ -181,20 +182,21 @@ class DecodeEntries:
     done: torch.Tensor
 
 
-def decode_step(series_b: tuple[torch.Tensor, torch.Tensor], series_a: tuple[torch.Tensor, torch.Tensor] | None,
-                ctx: ForwardContext, ratio: int, state_group: int, state_layer: int) -> DecodeEntries:
-    """Pool one token per sequence (``series_*`` are (gate, value) ``[B, C]``, row i sequence i):
-    the same pools as :class:`ChunkCompressor` on chunks of one token."""
+def decode_step(projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+                ctx: ForwardContext, ratio: int, state_group: int, state_layer: int,
+                advance: Callable[..., tuple[torch.Tensor, torch.Tensor]] = compress_decode_ref) -> DecodeEntries:
+    """Pool one token per sequence (``projections``: the compressor's gate and value ``[B, W]`` and,
+    for CSA, its indexer compressor's or None; row i sequence i): the same pools as
+    :class:`ChunkCompressor` on chunks of one token. ``advance`` is the one-token merge
+    (``Ops.v4_compress_decode``)."""
     states = ctx.kv_caches[state_group][:, state_layer]  # [num_blocks, *state]
     table = ctx.block_tables[state_group].long()  # [B, max_blocks]
     block_size = ctx.block_sizes[state_group]
     pos = ctx.positions.long()
     before = table.gather(1, ((pos - 1).clamp(min=0) // block_size)[:, None])[:, 0]
-    carry = states[before].float()  # [B, *state]
-    fresh = (pos == 0).view(-1, *([1] * (carry.dim() - 1)))
-    carry = torch.where(fresh, empty_state(tuple(carry.shape), carry.device), carry)
+    carry = states[before]  # [B, *state]; a first token's (position 0) is ignored: an empty pool
     done = pos % ratio == ratio - 1  # the token completes its window's entry
-    state, mean_b = _advance(carry, series_b, series_a, done)
+    state, mean_b = advance(carry, pos, ratio, *projections)
     after = table.gather(1, (pos // block_size)[:, None])[:, 0]
     if ctx.verify_states is not None and ctx.verify_prev is not None and ctx.verify_slot is not None:
         # A verify step: a verified position's carry is its predecessor's state (a scan over the
@@ -203,7 +205,7 @@ def decode_step(series_b: tuple[torch.Tensor, torch.Tensor], series_a: tuple[tor
         chained = (ctx.verify_prev >= 0).view(-1, *([1] * (carry.dim() - 1)))
         predecessor = ctx.verify_prev.clamp(min=0)
         for _ in range(ctx.verify_depth - 1):
-            state, mean_b = _advance(torch.where(chained, state[predecessor], carry), series_b, series_a, done)
+            state, mean_b = advance(torch.where(chained, state[predecessor], carry), pos, ratio, *projections)
         scratch = ctx.verify_states[state_group]
         assert scratch is not None
         verified = ctx.verify_slot >= 0
@@ -211,20 +213,3 @@ def decode_step(series_b: tuple[torch.Tensor, torch.Tensor], series_a: tuple[tor
         after = torch.where(verified, 0, after)
     states[after] = state.to(states.dtype)
     return DecodeEntries(mean_b, pos // ratio, done)
-
-
-def _advance(carry: torch.Tensor, series_b: tuple[torch.Tensor, torch.Tensor],
-             series_a: tuple[torch.Tensor, torch.Tensor] | None, done: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The states after one token per row from the states before it ``carry``: ``[B, 2, C]``
-    (HCA) or ``[B, 2, 2, C]`` (CSA), and each row's pooled window so far ``[B, C]``."""
-    carry_b = carry if series_a is None else carry[:, 0]  # [B, 2, C]
-    lse_b, mean_b = merge_pools_ref(carry_b[:, 0], carry_b[:, 1], series_b[0].float(), series_b[1].float())
-    empty = torch.stack([torch.full_like(lse_b, EMPTY_LSE), torch.zeros_like(mean_b)], dim=1)  # [B, 2, C]
-    b = torch.stack([lse_b, mean_b], dim=1)
-    if series_a is None:
-        return torch.where(done[:, None, None], empty, b), mean_b
-    lse_a, mean_a = merge_pools_ref(carry[:, 1, 0], carry[:, 1, 1], series_a[0].float(), series_a[1].float())
-    a = torch.stack([lse_a, mean_a], dim=1)
-    # In progress: [entry so far, overlap part so far]; completed: [overlap part -> next entry, empty].
-    return torch.where(done[:, None, None, None], torch.stack([a, empty], dim=1), torch.stack([b, a], dim=1)), mean_b

@@ -13,7 +13,8 @@ from cluster.common.errors import UnsupportedSettingError
 from kernels import dispatch
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref, write_kv_cache
-from kernels.deepseek_v4_ref import hc_post_ref, hc_pre_ref, indexer_topk_ref, sparse_attention_ref
+from kernels.deepseek_v4_ref import (compress_decode_ref, compress_store_ref, hc_post_ref, hc_pre_ref, indexer_topk_ref,
+                                     sparse_attention_ref)
 from kernels.linear import linear_ref
 from kernels.moe import fused_moe_ref
 from kernels.norm import rms_norm_ref
@@ -40,6 +41,10 @@ class Ops:
     #: DeepSeek-V4: sparse attention (window + compressed entries + sinks), lightning indexer top-k.
     v4_sparse_attention: Callable[..., torch.Tensor] = sparse_attention_ref
     v4_indexer: Callable[..., torch.Tensor] = indexer_topk_ref
+    #: DeepSeek-V4: a compressor's pools after one token per row (decode and verify steps).
+    v4_compress_decode: Callable[..., Any] = compress_decode_ref
+    #: DeepSeek-V4: a decode step's completed entries normalised, rotated and stored.
+    v4_compress_store: Callable[..., None] = compress_store_ref
     #: DeepSeek-V4: the hyper-connections around every block (collapse + Sinkhorn mixing, spread).
     v4_hc_pre: Callable[..., Any] = hc_pre_ref
     v4_hc_post: Callable[..., torch.Tensor] = hc_post_ref

@@ -325,6 +325,69 @@ def test_gpu_hyper_connections_v4_flash_width() -> None:
                                    hc_post_ref(out, x, ref[1], ref[2]).float(), rtol=2 ** -6, atol=2 ** -5)
 
 
+# --- the compressors' one-token step ---
+
+
+@pytest.mark.parametrize("kind", ["hca", "csa", "csa_index"])
+def test_compress_decode(kind: str) -> None:
+    """Rows at a window's start (position 0: the carry is ignored), inside, and completing it
+    (restart; CSA: the overlap half becomes the entry in progress), an empty carried overlap part;
+    C not a multiple of the channel slice; outputs poisoned."""
+    from kernels.deepseek_v4_ref import EMPTY_LSE, compress_decode_ref
+    from kernels.triton_deepseek_v4_compressor import compress_decode_triton
+
+    g = torch.Generator().manual_seed(len(kind))
+    d, di = (300, 0) if kind == "hca" else (300, 40) if kind == "csa_index" else (340, 0)
+    c = d + di
+    positions = torch.tensor([0, 1, 3, 6, 7, 12, 15, 0, 5])
+    shape = (len(positions), 2, c) if kind == "hca" else (len(positions), 2, 2, c)
+    carry = torch.randn(*shape, generator=g)
+    carry[..., 0, :] = -carry[..., 0, :].abs()  # plausible log-sum-exps
+    if kind != "hca":
+        carry[2, 1, 0] = EMPTY_LSE
+    width = d if kind == "hca" else 2 * d
+    proj = [torch.randn(len(positions), width, generator=g) for _ in range(2)]
+    index = [torch.randn(len(positions), 2 * di, generator=g) for _ in range(2)] if di else [None, None]
+    args = [t.to(DEVICE) if t is not None else None for t in (carry, positions, *proj, *index)]
+    want = compress_decode_ref(args[0], args[1], 4, *args[2:])
+    with poisoned_allocations():
+        got = compress_decode_triton(args[0], args[1], 4, *args[2:])
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_store(dtype: torch.dtype) -> None:
+    """The completed entries (rows done) land normalised and rotated where the reference puts them,
+    from a strided pooled view into a strided per-layer cache view; rows not done leave every
+    allocated block untouched (an in-progress entry past the allocated blocks included)."""
+    from kernels.deepseek_v4_ref import compress_store_ref
+    from kernels.rotary import rope_inv_freq
+    from kernels.triton_deepseek_v4_compressor import compress_store_triton
+
+    g = torch.Generator().manual_seed(5)
+    n, per_block, layers = 96, 4, 2
+    index = torch.tensor([0, 3, 4, 9, 7, 2, 13])
+    done = torch.tensor([True, True, False, True, True, False, False])
+    pooled = torch.randn(len(index), n + 40, generator=g)[:, 5:5 + n]  # strided, as the CSA split
+    weight = torch.rand(n, generator=g) + 0.5
+    inv_freq = rope_inv_freq(32, 10000.0)  # a 32-channel rotated tail
+    # each row's own blocks; row 6's entry 13 lies past its 3 allocated blocks (column clamped)
+    table = (1 + torch.arange(len(index) * 3).view(len(index), 3)).int()
+    storage = torch.randn(1 + table.numel(), layers, per_block, n, generator=g).to(dtype)
+    args = [t.to(DEVICE) for t in (pooled, index, done, weight)]
+    ref_cache, got_cache = storage.clone().to(DEVICE), storage.clone().to(DEVICE)
+    compress_store_ref(*args, 1e-6, inv_freq.to(DEVICE), 4, 1.25, ref_cache[:, 1], table.to(DEVICE))
+    compress_store_triton(*args, 1e-6, inv_freq.to(DEVICE), 4, 1.25, got_cache[:, 1], table.to(DEVICE))
+    # bf16: three roundings, each one ulp apart at most (Triton's interpreter truncates to bf16)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -5
+    torch.testing.assert_close(got_cache[1:].float(), ref_cache[1:].float(), rtol=tol, atol=tol)  # all but the null block
+    assert torch.equal(got_cache[:, 0], storage[:, 0].to(DEVICE))  # the other layer untouched
+    written = got_cache[1:, 1] != storage[1:, 1].to(DEVICE)
+    assert written.any(-1).sum().item() == int(done.sum())  # one slot per completed entry
+
+
 # --- sm_90 / sm_120 builds (ahead of time, no GPU needed; see tests/kernels/portability_check.py) ---
 
 
@@ -357,15 +420,31 @@ def _portability_cases() -> list[tuple[str, object, tuple[object, ...], dict[str
         cases.append((f"v4_indexer_topk_{'tile' if one_tile else 'tiles'}", indexer._topk_kernel,
                       (scores, picks, loc, loc, 0, 128, 8, 4, 512, 2048, 512),
                       dict(BLOCK=4096, ONE_TILE=one_tile, num_warps=8)))
+    from kernels import triton_deepseek_v4_compressor as compressor
+    for overlap, has_index in ((False, False), (True, True)):
+        c = 640 if overlap else 512
+        state = t(128, 4 * c if overlap else 2 * c, dtype=f32)
+        proj, index_proj = t(128, 1024, dtype=f32), t(128, 256, dtype=f32)
+        cases.append((f"v4_compress_decode_{'csa' if overlap else 'hca'}", compressor._compress_decode_kernel,
+                      (state, t(128, dtype=i64), proj, proj, index_proj, index_proj, state, t(128, c, dtype=f32), c,
+                       512, 128 if has_index else 0, 4, state.shape[1], state.shape[1], 1024, 1024, 256, 256, c,
+                       -1e30),
+                      dict(OVERLAP=overlap, HAS_INDEX=has_index, BLOCK_C=256, num_warps=2)))
+    entries_cache, pooled_rows = t(4096, 16, 512), t(128, 640, dtype=f32)
+    cases.append(("v4_compress_store", compressor._compress_store_kernel,
+                  (pooled_rows, t(128, dtype=i64), t(128, dtype=torch.bool), t(512, dtype=f32), t(32, dtype=f32),
+                   entries_cache, table, 640, 512, 32, 1e-6, 4, 1.0, 16 * 512 * 4, 512, 16, 300, 299),
+                  dict(BLOCK=512, BLOCK_R=32, num_warps=4)))
     from kernels import triton_deepseek_v4_hc as hc
-    streams, fn, part, sq = t(64, 4, 4096), t(24, 16384, dtype=f32), t(64, 64, 32, dtype=f32), t(64, 64, dtype=f32)
-    cases.append(("v4_hc_mix", hc._hc_mix_kernel, (streams, fn, part, sq, 64, 16384, 16384, 64),
-                  dict(M=24, M_PAD=32, CHUNK_K=hc.CHUNK, BLOCK_T=16, BLOCK_K=hc.BLOCK_K, num_warps=4)))
+    streams, fn, part, sq = t(64, 4, 4096), t(24, 16384, dtype=f32), t(64, 128, 32, dtype=f32), t(64, 128, dtype=f32)
+    for block_t, warps in ((16, 4), (64, 8)):
+        cases.append((f"v4_hc_mix_t{block_t}", hc._hc_mix_kernel, (streams, fn, part, sq, 64, 16384, 16384, 128),
+                      dict(M=24, M_PAD=32, CHUNK_K=hc.CHUNK, BLOCK_T=block_t, BLOCK_K=hc.BLOCK_K, num_warps=warps)))
     post, comb, block_out = t(64, 4, dtype=f32), t(64, 4, 4, dtype=f32), t(64, 4096)
     cases.append(("v4_hc_pre_finish", hc._hc_pre_finish_kernel,
-                  (part, sq, streams, t(24, dtype=f32), t(3, dtype=f32), block_out, post, comb, 16384, 4096, 64,
+                  (part, sq, streams, t(24, dtype=f32), t(3, dtype=f32), block_out, post, comb, 16384, 4096, 128,
                    16384, 4096, 4096, 1e-6, 1e-6),
-                  dict(ITERS=20, N=4, N_PAD=4, M_PAD=32, S_PAD=64, BLOCK_H=512, num_warps=4)))
+                  dict(ITERS=20, N=4, N_PAD=4, M_PAD=32, S_PAD=128, BLOCK_H=512, num_warps=1)))
     cases.append(("v4_hc_post", hc._hc_post_kernel,
                   (block_out, streams, post, comb, streams, 4096, 4096, 16384, 4096, 16384, 4096),
                   dict(N=4, N_PAD=4, BLOCK_H=256, num_warps=4)))
@@ -408,7 +487,7 @@ def test_v4_kernels_compile_for_sm90_and_sm120() -> None:
     failures = [r for r in records if "error" in r]
     assert not failures, json.dumps(failures, indent=1)
     names = {r["kernel"] for r in records}
-    assert len(names) == 10
+    assert len(names) == 14
     for name in names:
         sm120 = [(r["shared"], r["config"]) for r in records if r["kernel"] == name and r["arch"] == "sm_120"]
         assert sm120 and all(shared <= SM120_SHARED_LIMIT for shared, _ in sm120), (name, sm120)

@@ -23,8 +23,26 @@ def _context(positions: list[int], storage: torch.Tensor, block_size: int) -> Fo
         kv_caches=[storage], block_tables=[tables], slot_mappings=[None], block_sizes=[block_size])
 
 
-@pytest.mark.parametrize("csa", [False, True])
-def test_decode_step_equals_one_token_chunks(csa: bool) -> None:
+def _projections(kind: str, series_b: tuple[torch.Tensor, torch.Tensor],
+                 series_a: tuple[torch.Tensor, torch.Tensor] | None, d: int) -> tuple:
+    """The compressor projections the series come from: HCA's are the series; CSA's are ``[A | B]``
+    halves, with ``csa_index`` the last channels from the indexer compressor's own halves."""
+    if series_a is None:
+        return (*series_b, None, None)
+    if kind == "csa":
+        return torch.cat([series_a[0], series_b[0]], -1), torch.cat([series_a[1], series_b[1]], -1), None, None
+    return (torch.cat([series_a[0][:, :d], series_b[0][:, :d]], -1), torch.cat([series_a[1][:, :d], series_b[1][:, :d]], -1),
+            torch.cat([series_a[0][:, d:], series_b[0][:, d:]], -1), torch.cat([series_a[1][:, d:], series_b[1][:, d:]], -1))
+
+
+@pytest.mark.parametrize("advance", ["torch", "triton"])
+@pytest.mark.parametrize("kind", ["hca", "csa", "csa_index"])
+def test_decode_step_equals_one_token_chunks(kind: str, advance: str) -> None:
+    """With the reference one-token merge and with the Triton kernel (interpreted here)."""
+    from kernels.deepseek_v4_ref import compress_decode_ref
+    from kernels.triton_deepseek_v4_compressor import compress_decode_triton
+
+    csa = kind != "hca"
     ratio, block_size, channels = 4, 4, 6
     positions = [0, 1, 3, 4, 6, 7, 11, 13, 14, 15]  # window start / inside / end; block boundaries
     gen = torch.Generator().manual_seed(0)
@@ -43,7 +61,8 @@ def test_decode_step_equals_one_token_chunks(csa: bool) -> None:
     entries = {seq: pooled for seq, _, pooled in ChunkCompressor(ratio, 0, 0).run(series_b, series_a, ctx)}
 
     batched = storage.clone()
-    step = decode_step(series_b, series_a, _context(positions, batched, block_size), ratio, 0, 0)
+    step = decode_step(_projections(kind, series_b, series_a, 4), _context(positions, batched, block_size), ratio, 0, 0,
+                       advance=compress_decode_ref if advance == "torch" else compress_decode_triton)
 
     torch.testing.assert_close(batched, chunked, rtol=1e-5, atol=1e-6)
     assert step.done.tolist() == [p % ratio == ratio - 1 for p in positions]

@@ -16,7 +16,8 @@ from cluster.models import deepseek_v4_experts
 from cluster.models.deepseek_v4_experts import ExpertStack
 from cluster.models.deepseek_v4 import kernel_components
 from kernels.quant import QuantizedWeight, dequantize, quantize_nvfp4
-from kernels.deepseek_v4_ref import hc_post_ref, hc_pre_ref
+from kernels.deepseek_v4_ref import compress_decode_ref, compress_store_ref, hc_post_ref, hc_pre_ref
+from kernels.triton_deepseek_v4_compressor import compress_decode_triton, compress_store_triton
 from kernels.triton_deepseek_v4_attention import sparse_attention_triton
 from kernels.triton_deepseek_v4_hc import hc_post_triton, hc_pre_triton
 from kernels.triton_deepseek_v4_indexer import indexer_topk_triton
@@ -48,7 +49,8 @@ def v4_dir(tmp_path_factory, one_thread):
 def test_kernel_components_list_what_v4_calls():
     names = {c[0] for c in kernel_components(V4_FLASH_CONFIG)}
     assert names == {"rms_norm", "rotary", "silu_and_mul", "sampler", "v4_sparse_attention", "v4_indexer", "moe",
-                     "mtp.moe", "v4_hc_pre", "v4_hc_post"}
+                     "mtp.moe", "v4_hc_pre", "v4_hc_post", "v4_compress_decode",
+                     "v4_compress_store"}
     sliding = dict(V4_FLASH_CONFIG, compress_ratios=[0] * 44, num_nextn_predict_layers=0)
     assert "v4_indexer" not in {c[0] for c in kernel_components(sliding)}
 
@@ -69,10 +71,11 @@ def test_attention_backend_runs_the_triton_v4_kernels(v4_dir):
     assert (ours - reference).abs().max().item() < 1e-4 * spread
 
 
-def test_triton_hyper_connections_give_the_reference_logits(v4_dir):
+def test_triton_hyper_connections_and_compressor_steps_give_the_reference_logits(v4_dir):
     """Every block (and a GPU's resolution: the Triton kernels) runs the hyper-connections through
-    ``Ops.v4_hc_pre`` / ``v4_hc_post``: swapped for the Triton kernels (interpreted here), prefill
-    in chunks then decode rows give the references' logits."""
+    ``Ops.v4_hc_pre`` / ``v4_hc_post`` and its compressors' decode steps through
+    ``Ops.v4_compress_decode``: swapped for the Triton kernels (interpreted here), prefill in
+    chunks then decode rows (across compression windows) give the references' logits."""
     ids = mixed_prompts(512, (21,))[0]
     reference = engine_logits(LLM(v4_dir, block_size=4), "r", ids, 0, 7)
     llm = LLM(v4_dir, block_size=4)
@@ -80,8 +83,12 @@ def test_triton_hyper_connections_give_the_reference_logits(v4_dir):
     assert table["v4_hc_pre"]["impl"] == table["v4_hc_post"]["impl"] == "torch"  # auto on the CPU
     blocks = llm.engine.model.layers
     assert all(b.hc_pre is hc_pre_ref and b.hc_post is hc_post_ref for b in blocks)
+    assert all(b.attn.compress_kernel is compress_decode_ref and b.attn.store_kernel is compress_store_ref
+               for b in blocks)
+    assert table["v4_compress_decode"]["impl"] == table["v4_compress_store"]["impl"] == "torch"
     for block in blocks:
         block.hc_pre, block.hc_post = hc_pre_triton, hc_post_triton
+        block.attn.compress_kernel, block.attn.store_kernel = compress_decode_triton, compress_store_triton
     ours = torch.cat([engine_logits(llm, "r", ids[:18], 0, 7), engine_logits(llm, "r", ids, 18, 1)])
     spread = (reference.max() - reference.min()).item()
     assert (ours - reference).abs().max().item() < 1e-4 * spread
