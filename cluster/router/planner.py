@@ -35,7 +35,9 @@ rest of the growth is cut;
 downscale_cooldown_s, the role with the most slack (pressure under ``slack``, same prediction as
 3) gives back one replica; (5) a role that grows by taking the other's GPUs has at most
 ``handover_starting_share`` of the budget starting at once, the donor keeping (and serving on)
-the rest until those replicas are up."""
+the rest until those replicas are up; (6) with a profile (``predict``), a role shrinks only to the
+most it was predicted to need over ``downscale_window_s``, unless the other role grows in the same
+decision."""
 from __future__ import annotations
 
 import dataclasses
@@ -114,6 +116,12 @@ class PlannerSettings:
     #: None: the whole move at once. 0.15 from the simulator (bench/simulate.py at 8 and 64 GPUs,
     #: three seeds: 0.1 and 0.125 flap in the code phase, 0.2 and 0.25 leave RAG short again).
     handover_starting_share: float | None = 0.15
+    #: A role the prediction shrinks goes down only to the most it was predicted to need over this
+    #: window (Kubernetes' scale-down stabilisation), unless the other role grows in the same
+    #: decision (the mix moved): a dip in one demand window (10 s in the simulator) otherwise
+    #: shrank decode and grew it back an interval later, each new replica a start-up. 60 s from
+    #: the simulator (bench/simulate.py, 8 and 64 GPUs, seed 1 flapped without it).
+    downscale_window_s: float = 60.0
 
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
@@ -196,19 +204,31 @@ class Observation:
 
 @dataclass(frozen=True)
 class PlannerState:
-    """When each role last grew and shrank (seconds, the clock of ``now``; None: never)."""
+    """When each role last grew and shrank (seconds, the clock of ``now``; None: never), and the
+    recent predictions ``(time, prefill, decode)`` (-1: no such role) within downscale_window_s."""
 
     prefill_up: float | None = None
     prefill_down: float | None = None
     decode_up: float | None = None
     decode_down: float | None = None
+    predictions: tuple[tuple[float, int, int], ...] = ()
 
     def last_up(self, role: Role) -> float | None:
         return self.prefill_up if role == "prefill" else self.decode_up
 
     def last_change(self) -> float | None:
-        times = [t for t in dataclasses.astuple(self) if t is not None]
+        times = [t for t in (self.prefill_up, self.prefill_down, self.decode_up, self.decode_down) if t is not None]
         return max(times) if times else None
+
+    def predicted_most(self, role: Role) -> int | None:
+        """The most ``role`` was predicted to need in the window kept (None: no prediction)."""
+        counts = [p[1] if role == "prefill" else p[2] for p in self.predictions]
+        return max(counts) if counts else None
+
+    def with_prediction(self, predicted: dict[Role, int], now: float, window_s: float) -> PlannerState:
+        kept = tuple(p for p in self.predictions if now - p[0] < window_s)
+        entry = (now, predicted.get("prefill", -1), predicted.get("decode", -1))
+        return dataclasses.replace(self, predictions=kept + (entry,))
 
     def changed(self, role: Role, delta: int, now: float) -> PlannerState:
         if delta == 0:
@@ -218,7 +238,10 @@ class PlannerState:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> PlannerState:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in (data or {}).items() if k in names})
+        fields = {k: v for k, v in (data or {}).items() if k in names}
+        if "predictions" in fields:  # JSON-like policy state holds lists
+            fields["predictions"] = tuple((float(t), int(p), int(d)) for t, p, d in fields["predictions"])
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -258,6 +281,7 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
     notes: list[str] = []
     predicted = predict(obs, s)
     if predicted is not None:
+        state = state.with_prediction(predicted, now, s.downscale_window_s)
         notes += _follow_prediction(want, predicted, loads, pressure, s, state, now)
     for role, load in loads.items():
         p = pressure[role]
@@ -347,18 +371,24 @@ def _follow_prediction(want: dict[Role, int], predicted: dict[Role, int], loads:
     below, and never while the role misses its target. A role that grew within
     downscale_cooldown_s shrinks only when the other role grows in the same decision (the mix
     shifted): a short demand window's noise alone would otherwise flap it (grow, shrink, grow: each
-    new replica a start-up). When one role's growth needs the budget, the other comes down to its
-    prediction whatever the band."""
+    new replica a start-up); otherwise it shrinks only to the most it was predicted to need over
+    downscale_window_s (``state.predictions``). When one role's growth needs the budget, the
+    other comes down to its prediction whatever the band."""
     notes = []
     growing = {r for r in loads if predicted[r] > loads[r].replicas}
     for role, load in loads.items():
         target, n = predicted[role], load.replicas
         band = max(1, math.ceil(s.hysteresis * n))
         over = (pressure[role] or 0.0) > 1.0
-        settled = (state is None or _since(state.last_up(role), now) >= s.downscale_cooldown_s
-                   or bool(growing - {role}))
-        if target > n or (target < n - band and not over and settled):
+        mix_moved = bool(growing - {role})
+        settled = state is None or _since(state.last_up(role), now) >= s.downscale_cooldown_s or mix_moved
+        floor = target
+        if state is not None and not mix_moved:
+            floor = max(target, state.predicted_most(role) or target)
+        if target > n:
             want[role] = target
+        elif floor < n - band and not over and settled:
+            want[role] = floor
     budget = s.max_total_replicas
     if budget is not None and sum(want.values()) > budget:
         for role in want:

@@ -239,6 +239,34 @@ def test_a_role_that_just_grew_does_not_shrink_on_a_noisy_prediction():
     assert counts(plan(shift, s, grew_decode, now=1000.0)) == (3, 5)
 
 
+def test_a_one_window_dip_in_demand_does_not_shrink_a_role():
+    """The simulator's lesson (seed 1, 8 GPUs): long after decode grew, one quiet demand window
+    predicted two replicas fewer; decode shrank 7 -> 5 and grew back an interval later. A role now
+    shrinks only to the most it was predicted to need over downscale_window_s; a dip that lasts
+    the window shrinks it; a mix shift (the other role grows) still moves it at once."""
+    s = profiled()
+    busy = with_demand(observe(1, 7), 2.8, 1000, 2000)  # decode 2.8 x 2,000 / 800 = 7
+    quiet = with_demand(observe(1, 7), 2.0, 1000, 2000)  # 5: two below
+    state = PlannerState(decode_up=0.0)  # grew long ago: settled
+    for now in (1000.0, 1010.0, 1020.0):
+        decision = plan(busy, s, state, now)
+        assert counts(decision) == (1, 7)
+        state = decision.state
+    dip = plan(quiet, s, state, 1030.0)
+    assert counts(dip) == (1, 7)  # 7 was predicted within the window
+    state = dip.state
+    for now in (1040.0, 1050.0, 1060.0, 1070.0):
+        state = plan(quiet, s, state, now).state
+    assert counts(plan(quiet, s, state, 1080.0)) == (1, 5)  # the last 7 left the window: it shrinks
+    assert len(state.predictions) <= 7  # only the window is kept
+    # the state round-trips through a policy state dict (Ray keeps it between ticks)
+    assert PlannerState.from_dict(json.loads(json.dumps(dataclasses.asdict(state)))) == state
+    shift = with_demand(observe(1, 7), 2.0, 12_000, 2000)  # prefill needs 3: the mix moved
+    assert counts(plan(shift, s, dip.state, 1040.0)) == (3, 5)
+    no_window = profiled(downscale_window_s=0.0)
+    assert counts(plan(quiet, no_window, dip.state, 1040.0)) == (1, 5)
+
+
 def test_a_donor_keeps_what_its_predicted_demand_needs():
     """Reactive growth past the prediction (a backlog already queued on the running prefill
     replicas, which new ones do not take over) takes no decode replica below decode's prediction."""
