@@ -46,6 +46,18 @@ from kernels.rotary import apply_rotary_ref, rope_cos_sin
 EMPTY_LSE = -1e30
 
 
+def empty_pools(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Float32 ``(lse, mean)`` pairs of empty pools: ``shape [..., 2, C]``, ``[..., 0, :]`` the lse."""
+    state = torch.zeros(shape, device=device)
+    state[..., 0, :] = EMPTY_LSE
+    return state
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim without a weight, the scale computed in float32, in ``x``'s dtype."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
 def softmax_pool_prefix_ref(gate: torch.Tensor, value: torch.Tensor, carry_lse: torch.Tensor,
                             carry_mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate``, ``value [W, R, C]`` (absent slots have gate ``-inf``) and a carried pool
@@ -171,8 +183,7 @@ def hc_pre_ref(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     computed from the unweighted-RMS-normalised streams. ``fn [(2 + N) * N, N * H]``, ``base
     [(2 + N) * N]`` and ``scale [3]`` are float32."""
     n = x.shape[1]
-    flat = x.flatten(1).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    flat = unweighted_rms_norm(x.flatten(1).float(), norm_eps)
     mixes = torch.nn.functional.linear(flat, fn.float())  # [T, (2 + N) * N]
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
@@ -207,9 +218,7 @@ def compress_decode_ref(carry: torch.Tensor, positions: torch.Tensor, ratio: int
     shape as ``carry``; a window the token completes, ``positions % ratio == ratio - 1``, restarts)
     and each row's entry pooled so far ``[B, C]`` (the complete entry where the window completes)."""
     fresh = (positions == 0).view(-1, *([1] * (carry.dim() - 1)))
-    empty_pair = torch.zeros_like(carry)
-    empty_pair[..., 0, :] = EMPTY_LSE
-    carry = torch.where(fresh, empty_pair, carry.float())
+    carry = torch.where(fresh, empty_pools(tuple(carry.shape), carry.device), carry.float())
     done = positions % ratio == ratio - 1
     gate, value = gate.float(), value.float()
     if carry.dim() == 3:

@@ -249,16 +249,16 @@ def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]
     lightning indexer), the routed experts' MoE in the main model's expert format, and (with an MTP
     layer) the draft's MoE in the MTP experts' format."""
     QuantScheme.from_config(config)  # an unknown format fails here, by name
+    args = DeepseekV4Args.from_hf(config)
     components = [c for c in base_components() if c[1] in _SHARED_OPS]
     components.append(("v4_sparse_attention", "v4_sparse_attention", "bf16", "main"))
     components += [("v4_hc_pre", "v4_hc_pre", "bf16", "main"), ("v4_hc_post", "v4_hc_post", "bf16", "main")]
-    if any(t != SLIDING for t in DeepseekV4Args.from_hf(config).layer_types):
+    if any(t != SLIDING for t in args.layer_types):
         components += [("v4_compress_decode", "v4_compress_decode", "bf16", "main"),
                        ("v4_compress_store", "v4_compress_store", "bf16", "main")]
-    if CSA in DeepseekV4Args.from_hf(config).layer_types:
+    if CSA in args.layer_types:
         components.append(("v4_indexer", "v4_indexer", "bf16", "main"))
     components.append(("moe", "moe", expert_kernel_format(config, "main"), "main"))
-    args = DeepseekV4Args.from_hf(config)
     if args.mtp_layer_types or args.dspark is not None:  # MTP layers or DSpark stages: both under mtp.*
         components.append(("mtp.moe", "moe", expert_kernel_format(config, "draft"), "draft"))
     return components

@@ -38,7 +38,8 @@ from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4_layers import V4RMSNorm
 from cluster.models.layers import Linear
 from cluster.models.ops import REFERENCE_OPS, Ops
-from kernels.deepseek_v4_ref import EMPTY_LSE, compress_decode_ref, merge_pools_ref, softmax_pool_prefix_ref
+from kernels.deepseek_v4_ref import (EMPTY_LSE, compress_decode_ref, empty_pools, merge_pools_ref,
+                                     softmax_pool_prefix_ref)
 
 
 class CompressorWeights(nn.Module):
@@ -116,12 +117,6 @@ def pool_chunk(series_b: tuple[torch.Tensor, torch.Tensor], series_a: tuple[torc
     return PooledChunk(first, mean_b[:num_complete, -1], lse_b, mean_b, lse_a, mean_a)
 
 
-def empty_state(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    state = torch.zeros(shape, device=device)
-    state[..., 0, :] = EMPTY_LSE
-    return state
-
-
 class ChunkCompressor:
     """Runs one compressed layer's pooling for a batch: reads each sequence's carried state, pools
     its chunk, writes checkpoints, and returns the new entries to store."""
@@ -154,7 +149,7 @@ class ChunkCompressor:
             elif start > 0:
                 carry = states[table[i][(start - 1) // block_size]].float()
             else:
-                carry = empty_state(tuple(states.shape[1:]), states.device)
+                carry = empty_pools(tuple(states.shape[1:]), states.device)
             chunk = pool_chunk((series_b[0][rows], series_b[1][rows]),
                                None if series_a is None else (series_a[0][rows], series_a[1][rows]),
                                start, self.ratio, carry)

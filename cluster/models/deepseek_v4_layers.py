@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from cluster.models.deepseek_v4_config import DeepseekV4Args
 from cluster.models.ops import REFERENCE_OPS, Ops
+from kernels.deepseek_v4_ref import unweighted_rms_norm
 from kernels.rotary import apply_rotary_ref, rope_cos_sin
 
 
@@ -31,10 +32,6 @@ class V4RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.eps)[0].to(x.dtype)
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class V4Rope(nn.Module):
