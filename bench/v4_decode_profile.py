@@ -65,7 +65,7 @@ def _scoped(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def scopes(model: nn.Module) -> Iterator[None]:
     """Wrap the model's parts in their class's scope for the duration (eager steps only)."""
-    from cluster.models import deepseek_v4, deepseek_v4_attention
+    from cluster.models import deepseek_v4
     from cluster.models.deepseek_v4_attention import DeepseekV4Attention, Indexer
     from cluster.models.deepseek_v4_layers import V4RMSNorm
     from cluster.models.deepseek_v4_moe import DeepseekV4MoE, Gate
@@ -78,8 +78,6 @@ def scopes(model: nn.Module) -> Iterator[None]:
         undo.append(lambda: setattr(obj, attr, old))
 
     patch(deepseek_v4, "hc_head", "hyper_connections")
-    for fn in ("rope_tail", "unweighted_rms_norm"):
-        patch(deepseek_v4_attention, fn, "norms_rotary")
     for module in model.modules():
         if isinstance(module, Linear):
             patch(module, "forward", "projections")
@@ -89,7 +87,9 @@ def scopes(model: nn.Module) -> Iterator[None]:
             patch(module, "forward", "router")
         elif isinstance(module, Indexer):
             patch(module, "select", "indexer")
+            patch(module, "norm_rope", "norms_rotary")
         elif isinstance(module, DeepseekV4Attention):
+            patch(module, "norm_rope", "norms_rotary")
             patch(module, "forward", "attention_glue")
             patch(module, "_compress", "compressor")
             patch(module, "_grouped_wo_a", "projections")

@@ -22,6 +22,12 @@
 - ``compress_store_ref``: a decode step's completed entries (or CSA's indexer keys): RMS-normalised
   with the compressor's norm weight, the tail rotated by the compress RoPE at the entry's first
   position, written to the paged cache where the token completed its window.
+- ``norm_rope_ref``: a head-major row's RMS norm (weighted, unweighted or none) and the rotation of
+  its trailing RoPE channels (interleaved pairs; ``inverse`` rotates back), optionally written to a
+  paged token cache: the queries, the window's KV entry and the attention output of every layer.
+- ``route_ref``: the MoE router after its gate projection: scores (``sqrtsoftplus``, ``sigmoid`` or
+  ``softmax`` of the logits), the top-k experts by score plus the correction bias (or, in hash
+  layers, the token id's frozen experts), their scores renormalised and scaled.
 - ``hc_pre_ref`` / ``hc_post_ref``: the manifold-constrained hyper-connections around every block:
   the N residual streams collapsed into the block's input by "pre" weights, and the block output
   spread back with "post" weights plus the Sinkhorn-projected (doubly stochastic) "comb" mixing of
@@ -264,3 +270,60 @@ def compress_store_ref(pooled: torch.Tensor, index: torch.Tensor, done: torch.Te
     column = (index // per_block).clamp(max=table.shape[1] - 1)
     blocks = table.long().gather(1, column[:, None])[:, 0]
     cache[torch.where(done, blocks, 0), index % per_block] = x
+
+
+def norm_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
+                  eps: float | None = None, inverse: bool = False, cache: torch.Tensor | None = None,
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [T, H, D]`` (heads laid out ``[nope | rope]``; a strided view allowed) -> a new
+    ``[T, H, D]`` in ``x``'s dtype: RMS-normalised over D when ``eps`` is given (with the float32
+    ``weight [D]`` as the model's ``V4RMSNorm`` rounds it, or without one as
+    :func:`unweighted_rms_norm`), then the last ``2 * cos.shape[-1]`` channels rotated by ``cos,
+    sin [T, rot / 2]`` (float32; by ``-sin`` if ``inverse``) in interleaved pairs, in float32. With
+    ``cache [num_blocks, block_size, D]`` (H must be 1) the rows are also written at ``slots [T]``
+    (negative slots, a graph's padding rows, write slot 0 of the null block)."""
+    if eps is not None:
+        x = unweighted_rms_norm(x, eps) if weight is None else rms_norm_ref(x, weight, eps)[0].to(x.dtype)
+    rot = 2 * cos.shape[-1]
+    out = torch.cat([x[..., :-rot], apply_rotary_ref(x[..., -rot:], cos, -sin if inverse else sin, True)], dim=-1)
+    if cache is not None:
+        if slots is None or out.shape[1] != 1:
+            raise ValueError("a cache write needs slots and one head per row")
+        block_size = cache.shape[1]
+        where = slots.long().clamp(min=0)
+        cache[where // block_size, where % block_size] = out[:, 0].to(cache.dtype)
+    return out
+
+
+#: The routers' score functions (``route_ref``'s ``scoring``).
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+def route_ref(logits: torch.Tensor, top_k: int, scoring: str, scaling: float, bias: torch.Tensor | None = None,
+              tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [T, E]`` (the gate projection, the model's dtype) -> (weights ``[T, k]`` in that
+    dtype, expert ids ``[T, k]`` int64). Experts: the top ``k`` of ``scores + bias`` (``bias [E]``
+    float32; in no set order), or with ``tid2eid [vocab, k]`` the rows of ``input_ids [T]``. Weights:
+    the chosen experts' scores over their sum, times ``scaling``. Computed as the model's torch ops
+    round: each step's result in the logits' dtype."""
+    if scoring == "sqrtsoftplus":
+        scores = torch.nn.functional.softplus(logits).sqrt()
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+    elif scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        raise ValueError(f"unknown scoring function {scoring!r} ({', '.join(SCORING_FUNCS)})")
+    if tid2eid is not None:
+        if input_ids is None:
+            raise ValueError("hash routing needs the input ids")
+        ids = tid2eid[input_ids].long()
+    else:
+        if bias is None:
+            raise ValueError("a learned router needs its correction bias")
+        ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+

@@ -205,13 +205,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         a = self.args
         x = self.embed(input_ids).unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()  # [T, hc, H]
         captured = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, input_ids, ctx, self.rope)
-            if self.drafts_with_dspark and self.dspark is not None and i in self._dspark_targets:
-                captured.append(x.mean(1))  # the DSpark capture: the streams' plain mean
-        if captured:
-            assert self.dspark is not None
-            self.dspark.write_context(torch.cat(captured, -1), ctx, self.rope)
+        with self.rope.shared():
+            for i, layer in enumerate(self.layers):
+                x = layer(x, input_ids, ctx, self.rope)
+                if self.drafts_with_dspark and self.dspark is not None and i in self._dspark_targets:
+                    captured.append(x.mean(1))  # the DSpark capture: the streams' plain mean
+            if captured:
+                assert self.dspark is not None
+                self.dspark.write_context(torch.cat(captured, -1), ctx, self.rope)
         if self.drafts_with_mtp:
             return x.flatten(1)
         return self.final_hidden(x)
@@ -241,7 +242,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 _GRAPH_COMPONENTS = ("v4_sparse_attention", "v4_indexer", "moe")
 
 #: The shared ops V4 calls (it has no use for the paged attention of the Llama family).
-_SHARED_OPS = ("rms_norm", "rotary", "silu_and_mul", "sampling")
+_SHARED_OPS = ("rms_norm", "silu_and_mul", "sampling")
 
 
 def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]:
@@ -252,7 +253,8 @@ def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]
     args = DeepseekV4Args.from_hf(config)
     components = [c for c in base_components() if c[1] in _SHARED_OPS]
     components.append(("v4_sparse_attention", "v4_sparse_attention", "bf16", "main"))
-    components += [("v4_hc_pre", "v4_hc_pre", "bf16", "main"), ("v4_hc_post", "v4_hc_post", "bf16", "main")]
+    components += [("v4_hc_pre", "v4_hc_pre", "bf16", "main"), ("v4_hc_post", "v4_hc_post", "bf16", "main"),
+                   ("v4_norm_rope", "v4_norm_rope", "bf16", "main"), ("v4_route", "v4_route", "bf16", "main")]
     if any(t != SLIDING for t in args.layer_types):
         components += [("v4_compress_decode", "v4_compress_decode", "bf16", "main"),
                        ("v4_compress_store", "v4_compress_store", "bf16", "main")]

@@ -20,7 +20,7 @@ from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4_compressor import ChunkCompressor, CompressorWeights, DecodeEntries, decode_step
 from cluster.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Args
 from cluster.models.deepseek_v4_kv import LayerKV
-from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, rope_tail, unweighted_rms_norm
+from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope
 from cluster.models.layers import Linear
 from cluster.models.ops import REFERENCE_OPS, Ops
 
@@ -32,7 +32,7 @@ class Indexer(nn.Module):
     def __init__(self, args: DeepseekV4Args, dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
-        self.select_kernel, self.rotary = ops.v4_indexer, ops.rotary
+        self.select_kernel, self.norm_rope = ops.v4_indexer, ops.v4_norm_rope
         self.wq_b = Linear(args.q_lora_rank, self.num_heads * self.head_dim, False, dtype)
         self.weights_proj = Linear(args.hidden_size, self.num_heads, False, dtype)
         self.compressor = CompressorWeights(args.hidden_size, 2 * self.head_dim, self.head_dim, args.csa_ratio,
@@ -42,7 +42,7 @@ class Indexer(nn.Module):
                ctx: ForwardContext, index: tuple[int, int]) -> torch.Tensor:
         """Top-k compressed entries per query ``[T, topk]`` (-1: none)."""
         q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
-        q = rope_tail(q, cos, sin, self.rotary)  # [T, Hi, Di]
+        q = self.norm_rope(q, cos, sin)  # [T, Hi, Di]
         weights = self.weights_proj(h).float() * self.num_heads ** -0.5  # [T, Hi]
         group, layer = index
         return self.select_kernel(q, weights, ctx.kv_caches[group][:, layer], ctx.block_tables[group],
@@ -56,7 +56,7 @@ class DeepseekV4Attention(nn.Module):
                  ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.args, self.layer_type, self.kv = args, layer_type, kv
-        self.attention_kernel, self.rotary = ops.v4_sparse_attention, ops.rotary
+        self.attention_kernel, self.norm_rope = ops.v4_sparse_attention, ops.v4_norm_rope
         self.compress_kernel, self.store_kernel = ops.v4_compress_decode, ops.v4_compress_store
         #: The first position whose window entry may be attended (an MTP layer: 1; see deepseek_v4_mtp).
         self.min_position = 0
@@ -88,15 +88,14 @@ class DeepseekV4Attention(nn.Module):
         cos, sin = rope.cos_sin(self.rope_kind, ctx.positions)
         q_residual = self.q_norm(self.wq_a(h))
         q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
-        q = rope_tail(unweighted_rms_norm(q, self.args.rms_norm_eps), cos, sin, self.rotary)  # [T, H, D]
-        kv = rope_tail(self.kv_norm(self.wkv(h)).unsqueeze(1), cos, sin, self.rotary)[:, 0]  # [T, D]
+        q = self.norm_rope(q, cos, sin, eps=self.args.rms_norm_eps)  # [T, H, D]
         window_group, window_layer = self.kv.window
         window_cache = ctx.kv_caches[window_group][:, window_layer]  # [num_blocks, block_size, D]
         slots = ctx.slot_mappings[window_group]
         assert slots is not None
-        block_size = window_cache.shape[1]
-        slots = slots.clamp(min=0)  # a decode graph's padding rows (slot -1) write the null block
-        window_cache[slots // block_size, slots % block_size] = kv.to(window_cache.dtype)
+        # the window's KV entry, written at its slot (a decode graph's padding rows, slot -1, write the null block)
+        self.norm_rope(self.wkv(h).unsqueeze(1), cos, sin, self.kv_norm.weight, self.kv_norm.eps, cache=window_cache,
+                       slots=slots)
         compressed_cache = compressed_tables = topk = None
         if self.compressor is not None:
             self._compress(h, ctx, rope)
@@ -111,7 +110,7 @@ class DeepseekV4Attention(nn.Module):
                                     self.head_dim ** -0.5, query_start_loc=ctx.query_start_loc,
                                     seq_lens=ctx.seq_lens, min_position=self.min_position)  # [T, H, D]
         # K = V carried RoPE into the output; undo it at the query position
-        out = rope_tail(out, cos, -sin, self.rotary)
+        out = self.norm_rope(out, cos, sin, inverse=True)
         return self.wo_b(self._grouped_wo_a(out))
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
@@ -156,12 +155,12 @@ class DeepseekV4Attention(nn.Module):
         assert self.compressor is not None
         d = self.head_dim
         cos, sin = rope.cos_sin("compress", index * self.ratio)
-        entries = self.compressor.norm(pooled[:, :d].to(dtype))
-        entries = rope_tail(entries.unsqueeze(1), cos, sin, self.rotary)[:, 0]
+        norm = self.compressor.norm
+        entries = self.norm_rope(pooled[:, None, :d].to(dtype), cos, sin, norm.weight, norm.eps)[:, 0]
         if self.indexer is None:
             return entries, None
-        keys = self.indexer.compressor.norm(pooled[:, d:].to(dtype))
-        return entries, rope_tail(keys.unsqueeze(1), cos, sin, self.rotary)[:, 0]
+        norm = self.indexer.compressor.norm
+        return entries, self.norm_rope(pooled[:, None, d:].to(dtype), cos, sin, norm.weight, norm.eps)[:, 0]
 
     def _store_done(self, ctx: ForwardContext, where: tuple[int, int], step: DecodeEntries, pooled: torch.Tensor,
                     norm: V4RMSNorm, rope: V4Rope) -> None:

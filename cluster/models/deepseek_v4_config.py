@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from cluster.common.errors import UnsupportedArchitectureError
+from kernels.deepseek_v4_ref import SCORING_FUNCS
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
-SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
 
 @dataclass(frozen=True)

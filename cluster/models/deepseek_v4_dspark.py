@@ -40,7 +40,7 @@ from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4_attention import DeepseekV4Attention
 from cluster.models.deepseek_v4_config import SLIDING, DeepseekV4Args, DSparkArgs
 from cluster.models.deepseek_v4_kv import LayerKV
-from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head, rope_tail, unweighted_rms_norm
+from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope, hc_head
 from cluster.models.layers import Embedding, Linear
 from cluster.models.ops import REFERENCE_OPS, Ops
 
@@ -56,9 +56,12 @@ class DSparkAttention(DeepseekV4Attention):
     def __init__(self, args: DeepseekV4Args, kv: LayerKV, dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__(args, SLIDING, kv, dtype, ops)
 
-    def entries(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``main_x [T, hidden]`` -> the context entries ``[T, head_dim]`` at the rows' positions."""
-        return rope_tail(self.kv_norm(self.wkv(main_x)).unsqueeze(1), cos, sin, self.rotary)[:, 0]
+    def entries(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """``main_x [T, hidden]`` -> the context entries ``[T, head_dim]`` at the rows' positions
+        (also written to ``cache [num_blocks, block_size, head_dim]`` at ``slots [T]`` if given)."""
+        return self.norm_rope(self.wkv(main_x).unsqueeze(1), cos, sin, self.kv_norm.weight, self.kv_norm.eps,
+                              cache=cache, slots=slots)[:, 0]
 
     def block(self, h: torch.Tensor, context: torch.Tensor, valid: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> torch.Tensor:
@@ -67,7 +70,7 @@ class DSparkAttention(DeepseekV4Attention):
         t = h.shape[0]
         n, width = context.shape[0], t // context.shape[0]
         q = self.wq_b(self.q_norm(self.wq_a(h))).view(t, self.num_heads, self.head_dim)
-        q = rope_tail(unweighted_rms_norm(q, self.args.rms_norm_eps), cos, sin, self.rotary)
+        q = self.norm_rope(q, cos, sin, eps=self.args.rms_norm_eps)
         own = self.entries(h, cos, sin).view(n, width, -1)
         keys = torch.cat([context.to(own.dtype), own], 1)  # [N, W + B, D]
         mask = torch.cat([valid, torch.ones((n, width), dtype=torch.bool, device=valid.device)], 1)
@@ -77,7 +80,7 @@ class DSparkAttention(DeepseekV4Attention):
         sink = self.attn_sink.float()[None, :, None, None].expand(n, -1, width, 1)
         probs = torch.cat([logits, sink], -1).softmax(-1)[..., :-1]
         out = torch.einsum("nhbk,nkd->nbhd", probs, keys).to(h.dtype).reshape(t, self.num_heads, self.head_dim)
-        out = rope_tail(out, cos, -sin, self.rotary)  # K = V carried RoPE into the output
+        out = self.norm_rope(out, cos, sin, inverse=True)  # K = V carried RoPE into the output
         return self.wo_b(self._grouped_wo_a(out))
 
 
@@ -160,12 +163,9 @@ class DSparkDrafter:
         main_x = first.main_norm(first.main_proj(captured))
         cos, sin = rope.cos_sin("main", ctx.positions)
         for stage, (group, layer) in zip(cast(list[DSparkStage], self.stages), self.layers):
-            cache = ctx.kv_caches[group][:, layer]  # [num_blocks, block_size, head_dim]
             slots = ctx.slot_mappings[group]
-            assert slots is not None
-            slots = slots.clamp(min=0)  # padding rows (slot -1) write the null block
-            block_size = cache.shape[1]
-            cache[slots // block_size, slots % block_size] = stage.attn.entries(main_x, cos, sin).to(cache.dtype)
+            assert slots is not None  # padding rows (slot -1) write the null block
+            stage.attn.entries(main_x, cos, sin, cache=ctx.kv_caches[group][:, layer], slots=slots)
 
     def context(self, kv_caches: list[torch.Tensor], tables: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[list[torch.Tensor], torch.Tensor]:

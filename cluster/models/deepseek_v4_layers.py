@@ -1,24 +1,26 @@
 """DeepSeek-V4 building blocks shared by its attention, MoE and model: RMSNorm with float32
-weights, the unweighted RMSNorm, the two RoPE flavours applied to each head's trailing (interleaved)
-rope slice, and the manifold-constrained hyper-connections (mHC) that mix ``hc_mult`` residual
-streams in and out of every block: here ``hc_head``, the final collapse; the per-block collapse and
-spread are the ops ``Ops.v4_hc_pre`` / ``Ops.v4_hc_post`` (references in ``kernels.deepseek_v4_ref``).
+weights, the unweighted RMSNorm, the two RoPE flavours' tables (applied to each head's trailing,
+interleaved rope slice by ``Ops.v4_norm_rope``, after the norm), and the manifold-constrained
+hyper-connections (mHC) that mix ``hc_mult`` residual streams in and out of every block: here
+``hc_head``, the final collapse; the per-block collapse and spread are the ops ``Ops.v4_hc_pre`` /
+``Ops.v4_hc_post`` (references in ``kernels.deepseek_v4_ref``).
 
-The norm and the rotation run the resolved kernels (``Ops.rms_norm``, ``Ops.rotary``). Both compute
-in float32; in a float32 model they equal transformers' bit for bit. In a bf16 model the norm
+The norms and the rotation run the resolved kernels (``Ops.rms_norm``, ``Ops.v4_norm_rope``). They
+compute in float32; in a float32 model they equal transformers' bit for bit. In a bf16 model the norm
 kernels round the normalized row to bf16 before the float32 weight multiply (transformers rounds
 once, after it): at most one bf16 ulp apart."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
-
-from collections.abc import Callable
 
 from cluster.models.deepseek_v4_config import DeepseekV4Args
 from cluster.models.ops import REFERENCE_OPS, Ops
 from kernels.deepseek_v4_ref import unweighted_rms_norm
-from kernels.rotary import apply_rotary_ref, rope_cos_sin
+from kernels.rotary import rope_cos_sin
 
 
 class V4RMSNorm(nn.Module):
@@ -46,19 +48,32 @@ class V4Rope(nn.Module):
         self.register_buffer("main_inv_freq", args.main_rope.inv_freq(args.rope_dim), persistent=False)
         self.register_buffer("compress_inv_freq", args.compress_rope.inv_freq(args.rope_dim), persistent=False)
         self.scaling = {"main": args.main_rope.attention_factor, "compress": args.compress_rope.attention_factor}
+        self._shared: dict[str, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def cos_sin(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [N]`` -> ``cos, sin [N, rope_dim // 2]`` float32."""
+        """``positions [N]`` -> ``cos, sin [N, rope_dim // 2]`` float32. Inside :meth:`shared`, the
+        tables of a ``positions`` tensor already seen there are returned again."""
+        if self._shared is not None:
+            seen = self._shared.get(kind)
+            if seen is not None and seen[0] is positions:
+                return seen[1]
         inv_freq = self.main_inv_freq if kind == "main" else self.compress_inv_freq
-        return rope_cos_sin(inv_freq, positions, self.scaling[kind])
+        tables = rope_cos_sin(inv_freq, positions, self.scaling[kind])
+        if self._shared is not None:
+            self._shared[kind] = (positions, tables)
+        return tables
 
-
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              rotary: Callable[..., torch.Tensor] = apply_rotary_ref) -> torch.Tensor:
-    """Rotate the trailing ``2 * cos.shape[-1]`` features of ``x [N, H, D]`` (interleaved pairs)
-    with the ``rotary`` kernel; heads are laid out ``[nope | rope]``."""
-    rot = 2 * cos.shape[-1]
-    return torch.cat([x[..., :-rot], rotary(x[..., -rot:], cos, sin, True)], dim=-1)
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        """One forward pass: its layers compute the tables of the step's positions once (about six
+        kernels a layer fewer). Only within the pass, never across passes: a graph's buffers keep
+        their identity while their values change."""
+        outer = self._shared
+        self._shared = {} if outer is None else outer
+        try:
+            yield
+        finally:
+            self._shared = outer
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,

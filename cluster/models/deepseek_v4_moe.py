@@ -1,10 +1,11 @@
 """DeepSeek-V4 MoE (every layer): routed experts chosen by the learned gate (``sqrtsoftplus``,
 ``sigmoid`` or ``softmax`` scores, top-k over scores plus the correction bias) or, in the first
 layers, by the token id through the frozen ``tid2eid`` table; the chosen experts' scores are
-renormalised and scaled by ``routed_scaling_factor``. Experts and the shared expert are SwiGLU with
-the configured clamp. Routed expert weights are stacked: ``w13 [E, 2I, H]`` (gate rows, then up
-rows) and ``w2 [E, H, I]``, dequantized or in their checkpoint format (``deepseek_v4_experts``);
-the resolved MoE kernel takes either."""
+renormalised and scaled by ``routed_scaling_factor`` (after the gate's projection, all one op:
+``Ops.v4_route``). Experts and the shared expert are SwiGLU with the configured clamp. Routed
+expert weights are stacked: ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``,
+dequantized or in their checkpoint format (``deepseek_v4_experts``); the resolved MoE kernel takes
+either."""
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ from cluster.models.ops import REFERENCE_OPS, Ops
 class Gate(nn.Module):
     tid2eid: torch.Tensor
 
-    def __init__(self, args: DeepseekV4Args, hash_routed: bool, dtype: torch.dtype) -> None:
+    def __init__(self, args: DeepseekV4Args, hash_routed: bool, dtype: torch.dtype, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
+        self.route = ops.v4_route
         self.top_k, self.scoring = args.num_experts_per_tok, args.scoring_func
         self.routed_scaling_factor = args.routed_scaling_factor
         self.hash_routed = hash_routed
@@ -34,19 +36,10 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights ``[T, k]``, expert ids ``[T, k]``)."""
         logits = nn.functional.linear(x, self.weight)
-        if self.scoring == "sqrtsoftplus":
-            scores = nn.functional.softplus(logits).sqrt()
-        elif self.scoring == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(dim=-1)
         if self.hash_routed:
-            ids = self.tid2eid[input_ids].long()
-        else:
-            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+            return self.route(logits, self.top_k, self.scoring, self.routed_scaling_factor, tid2eid=self.tid2eid,
+                              input_ids=input_ids)
+        return self.route(logits, self.top_k, self.scoring, self.routed_scaling_factor, bias=self.bias)
 
 
 class SharedExperts(nn.Module):
@@ -73,7 +66,7 @@ class DeepseekV4MoE(nn.Module):
         super().__init__()
         self.clamp = args.swiglu_limit
         self.moe_kernel = ops.draft_moe if draft else ops.moe
-        self.gate = Gate(args, hash_routed, dtype)
+        self.gate = Gate(args, hash_routed, dtype, ops)
         self.experts = Experts(args, dtype, native_experts)
         shared = args.moe_intermediate_size * args.n_shared_experts
         self.shared_experts = SharedExperts(args.hidden_size, shared, self.clamp, dtype, ops) if shared else None

@@ -14,7 +14,7 @@ from kernels import dispatch
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref, write_kv_cache
 from kernels.deepseek_v4_ref import (compress_decode_ref, compress_store_ref, hc_post_ref, hc_pre_ref, indexer_topk_ref,
-                                     sparse_attention_ref)
+                                     norm_rope_ref, route_ref, sparse_attention_ref)
 from kernels.linear import linear_ref
 from kernels.moe import fused_moe_ref
 from kernels.norm import rms_norm_ref
@@ -45,6 +45,10 @@ class Ops:
     v4_compress_decode: Callable[..., Any] = compress_decode_ref
     #: DeepSeek-V4: a decode step's completed entries normalised, rotated and stored.
     v4_compress_store: Callable[..., None] = compress_store_ref
+    #: DeepSeek-V4: a row's RMS norm and trailing RoPE (and the window's KV write) in one op.
+    v4_norm_rope: Callable[..., torch.Tensor] = norm_rope_ref
+    #: DeepSeek-V4: the MoE router after its gate projection (scores, top-k or hash, weights).
+    v4_route: Callable[..., Any] = route_ref
     #: DeepSeek-V4: the hyper-connections around every block (collapse + Sinkhorn mixing, spread).
     v4_hc_pre: Callable[..., Any] = hc_pre_ref
     v4_hc_post: Callable[..., torch.Tensor] = hc_post_ref

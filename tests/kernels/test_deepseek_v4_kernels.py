@@ -325,6 +325,188 @@ def test_gpu_hyper_connections_v4_flash_width() -> None:
                                    hc_post_ref(out, x, ref[1], ref[2]).float(), rtol=2 ** -6, atol=2 ** -5)
 
 
+# --- norm + RoPE (+ the window's KV write) ---
+
+
+def _norm_rope_inputs(t: int, h: int, d: int, half: int, dtype: torch.dtype, seed: int, device: str = DEVICE
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A strided ``[t, h, d]`` view (a slice of wider rows, as a fused projection's), cos/sin of
+    real angles, and a norm weight."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(t, h, d + 16, generator=gen)).to(dtype)[..., 8:8 + d]
+    angles = 100 * torch.rand(t, half, generator=gen)
+    weight = torch.rand(d, generator=gen) + 0.5
+    return x.to(device), angles.cos().to(device), angles.sin().to(device), weight.to(device)
+
+
+def _assert_rows_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """float32: to rounding. bf16: an ulp of the value plus a few of the row's largest (each
+    rounding of the scale, the scaled row and the pair a rotation mixes may land one ulp apart: the
+    interpreter truncates where the GPU rounds, and the norm's sum runs in another order)."""
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    else:
+        got, ref = got.float(), ref.float()
+        row_max = ref.abs().amax(-1, keepdim=True)
+        assert ((got - ref).abs() <= ref.abs() * 2 ** -7 + row_max * 2 ** -5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,h,d,half", [(3, 4, 64, 8), (5, 1, 48, 8), (2, 3, 96, 16), (1, 2, 32, 16)])
+def test_norm_rope(t: int, h: int, d: int, half: int, dtype: torch.dtype) -> None:
+    """Each of the op's uses against the reference: the queries (unweighted norm), the KV entry
+    (weighted norm), the indexer's queries (no norm) and the attention output (inverse rotation);
+    rows of non-power-of-two width and a row rotated whole (``2 * half == d``)."""
+    from kernels.deepseek_v4_ref import norm_rope_ref
+    from kernels.triton_deepseek_v4_rope import norm_rope_triton
+
+    x, cos, sin, weight = _norm_rope_inputs(t, h, d, half, dtype, seed=t * d)
+    for kwargs in ({}, {"eps": 1e-6}, {"eps": 1e-6, "weight": weight}, {"inverse": True}):
+        with poisoned_allocations():
+            got = norm_rope_triton(x, cos, sin, **kwargs)
+        ref = norm_rope_ref(x, cos, sin, **kwargs)
+        assert got.shape == ref.shape and got.dtype == ref.dtype and got.is_contiguous()
+        _assert_rows_close(got, ref)
+    # the untouched channels are the normalised row itself, the rotation undoes itself
+    ref = norm_rope_ref(x, cos, sin)
+    back = norm_rope_triton(norm_rope_triton(x, cos, sin), cos, sin, inverse=True)
+    if dtype == torch.float32:
+        _assert_rows_close(back, x.contiguous())
+    assert torch.equal(norm_rope_triton(x, cos, sin)[..., :d - 2 * half], ref[..., :d - 2 * half])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_writes_the_window_cache(dtype: torch.dtype) -> None:
+    """With a cache (a strided per-layer view), each row also lands at its slot; a padding row's
+    slot -1 writes slot 0 of the null block and nothing else changes."""
+    from kernels.deepseek_v4_ref import norm_rope_ref
+    from kernels.triton_deepseek_v4_rope import norm_rope_triton
+
+    x, cos, sin, weight = _norm_rope_inputs(5, 1, 48, 8, dtype, seed=3)
+    storage = torch.randn(6, 2, 4, 48).to(dtype)
+    slots = torch.tensor([9, -1, 22, 4, 13])
+    caches = [storage.clone(), storage.clone()]
+    ref = norm_rope_ref(x, cos, sin, weight, 1e-6, cache=caches[0][:, 1], slots=slots)
+    got = norm_rope_triton(x, cos, sin, weight, 1e-6, cache=caches[1][:, 1], slots=slots)
+    _assert_rows_close(got, ref)
+    _assert_rows_close(caches[1], caches[0])
+    changed = (caches[1] != storage).any(-1)
+    assert changed[:, 0].sum() == 0 and changed[:, 1].sum() == 5
+    assert changed[0, 1, 0] and changed[2, 1, 1] and changed[5, 1, 2] and changed[1, 1, 0] and changed[3, 1, 1]
+    with pytest.raises(ValueError, match="one head"):
+        norm_rope_triton(x.expand(5, 2, 48), cos, sin, cache=caches[1][:, 1], slots=slots)
+    assert norm_rope_triton(x[:0], cos[:0], sin[:0]).shape == (0, 1, 48)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_norm_rope_v4_flash_width() -> None:
+    """V4-Flash: 64 query heads of 512 (64 rotated), the KV entry with its cache write, the
+    indexer's 64 heads of 128; a decode row, a batch of 32 and a prefill chunk of 4096."""
+    from kernels.deepseek_v4_ref import norm_rope_ref
+    from kernels.triton_deepseek_v4_rope import norm_rope_triton
+
+    for t in (1, 32, 4096):
+        for h, d, kwargs in ((64, 512, {"eps": 1e-6}), (64, 512, {"inverse": True}), (64, 128, {}),
+                             (1, 512, {"eps": 1e-6, "weight": True})):
+            x, cos, sin, weight = _norm_rope_inputs(t, h, d, 32, torch.bfloat16, seed=t + h + d)
+            if kwargs.get("weight"):
+                kwargs = {"eps": 1e-6, "weight": weight}
+            _assert_rows_close(norm_rope_triton(x, cos, sin, **kwargs), norm_rope_ref(x, cos, sin, **kwargs))
+        caches = [torch.zeros(t // 16 + 2, 2, 16, 512, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        slots = torch.randperm(16 * (t // 16 + 2), device="cuda")[:t]
+        slots[0] = -1
+        x, cos, sin, weight = _norm_rope_inputs(t, 1, 512, 32, torch.bfloat16, seed=t)
+        norm_rope_ref(x, cos, sin, weight, 1e-6, cache=caches[0][:, 1], slots=slots)
+        norm_rope_triton(x, cos, sin, weight, 1e-6, cache=caches[1][:, 1], slots=slots)
+        _assert_rows_close(caches[1], caches[0])
+
+
+# --- the MoE router ---
+
+
+def _route_inputs(t: int, e: int, dtype: torch.dtype, seed: int, device: str = DEVICE
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gate logits (some past softplus's threshold and some far below zero), a correction bias,
+    a hash table and token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 4 * torch.randn(t, e, generator=gen)
+    logits[:, :2] = torch.tensor([25.0, -30.0])
+    bias = 0.1 * torch.randn(e, generator=gen)
+    tid2eid = torch.stack([torch.randperm(e, generator=gen)[:6] for _ in range(50)]).to(torch.int32)
+    input_ids = torch.randint(0, 50, (t,), generator=gen)
+    return logits.to(dtype).to(device), bias.to(device), tid2eid.to(device), input_ids.to(device)
+
+
+def _assert_routes_match(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The same experts per token (in any order) with the same weights (bf16: within a few ulps:
+    each step rounds where the torch ops do, and the interpreter truncates where they round)."""
+    (w_got, ids_got), (w_ref, ids_ref) = got, ref
+    assert ids_got.dtype == torch.int64 and w_got.dtype == w_ref.dtype and w_got.shape == w_ref.shape
+    ids_got, order_got = ids_got.sort(-1)
+    ids_ref, order_ref = ids_ref.sort(-1)
+    assert torch.equal(ids_got, ids_ref)
+    tol = 1e-6 if w_ref.dtype == torch.float32 else 2 ** -5  # five roundings, each up to an ulp
+    w_got, w_ref = w_got.gather(1, order_got).float(), w_ref.gather(1, order_ref).float()
+    assert ((w_got - w_ref).abs() <= w_ref.abs() * tol + 1e-7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("t,e,k", [(5, 16, 6), (3, 256, 6), (2, 48, 1), (1, 8, 8)])
+def test_route(t: int, e: int, k: int, scoring: str, dtype: torch.dtype) -> None:
+    """Learned routing (top-k of score + bias) and hash routing against the reference; expert
+    counts off powers of two, k of 1 and k = E."""
+    from kernels.deepseek_v4_ref import route_ref
+    from kernels.triton_deepseek_v4_router import route_triton
+
+    logits, bias, tid2eid, input_ids = _route_inputs(t, e, dtype, seed=t * e + k)
+    _assert_routes_match(route_triton(logits, k, scoring, 1.5, bias=bias),
+                         route_ref(logits, k, scoring, 1.5, bias=bias))
+    if k <= 6:
+        table = tid2eid[:, :k] % e
+        hashed = route_triton(logits, k, scoring, 2.5, tid2eid=table, input_ids=input_ids)
+        assert torch.equal(hashed[1], table[input_ids].long())  # the table's order, kept
+        _assert_routes_match(hashed, route_ref(logits, k, scoring, 2.5, tid2eid=table, input_ids=input_ids))
+
+
+def test_route_picks_by_biased_score_and_refuses_bad_calls() -> None:
+    """The bias decides the choice but not the weights: an expert with a low score and a large
+    bias is chosen, weighted by its score; bad calls are refused by name; no tokens, no launch."""
+    from kernels.triton_deepseek_v4_router import route_triton
+
+    logits = torch.tensor([[3.0, 2.0, -4.0, 1.0]])
+    bias = torch.tensor([0.0, 0.0, 10.0, 0.0])
+    weights, ids = route_triton(logits, 2, "sigmoid", 1.0, bias=bias)
+    assert ids.tolist() == [[2, 0]]
+    scores = logits.sigmoid()[0, [2, 0]]
+    torch.testing.assert_close(weights[0], scores / scores.sum())
+    with pytest.raises(ValueError, match="scoring"):
+        route_triton(logits, 2, "relu", 1.0, bias=bias)
+    with pytest.raises(ValueError, match="bias"):
+        route_triton(logits, 2, "sigmoid", 1.0)
+    with pytest.raises(ValueError, match="input ids"):
+        route_triton(logits, 2, "sigmoid", 1.0, tid2eid=torch.zeros(4, 2, dtype=torch.int64))
+    empty = route_triton(logits[:0], 2, "sigmoid", 1.0, bias=bias)
+    assert empty[0].shape == empty[1].shape == (0, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gpu_route_v4_flash_width() -> None:
+    """V4-Flash: 256 experts, top 6, sqrtsoftplus, bf16 logits; learned and hash routing at a
+    decode row, a batch of 32 and a prefill chunk of 4096."""
+    from kernels.deepseek_v4_ref import route_ref
+    from kernels.triton_deepseek_v4_router import route_triton
+
+    for t in (1, 32, 4096):
+        logits, bias, tid2eid, input_ids = _route_inputs(t, 256, torch.bfloat16, seed=t)
+        _assert_routes_match(route_triton(logits, 6, "sqrtsoftplus", 1.5, bias=bias),
+                             route_ref(logits, 6, "sqrtsoftplus", 1.5, bias=bias))
+        _assert_routes_match(route_triton(logits, 6, "sqrtsoftplus", 1.5, tid2eid=tid2eid, input_ids=input_ids),
+                             route_ref(logits, 6, "sqrtsoftplus", 1.5, tid2eid=tid2eid, input_ids=input_ids))
+
+
 # --- the compressors' one-token step ---
 
 
@@ -448,6 +630,19 @@ def _portability_cases() -> list[tuple[str, object, tuple[object, ...], dict[str
     cases.append(("v4_hc_post", hc._hc_post_kernel,
                   (block_out, streams, post, comb, streams, 4096, 4096, 16384, 4096, 16384, 4096),
                   dict(N=4, N_PAD=4, BLOCK_H=256, num_warps=4)))
+    from kernels import triton_deepseek_v4_rope as rope
+    rows, angles, slots = t(128, 64, 512), t(128, 32, dtype=f32), t(128, dtype=i64)
+    cases.append(("v4_norm_rope", rope._norm_rope_kernel,
+                  (rows, angles, angles, t(512, dtype=f32), rows, cache, slots, 64 * 512, 512, 64 * 512, 512, 32,
+                   32, 64 * 64 * 512, 512, 64, 64, 1e-6),
+                  dict(D=512, HALF=32, BLOCK_D=512, BLOCK_H=8, NORM=True, WEIGHTED=True, INVERSE=False,
+                       WRITE_CACHE=True, num_warps=4)))
+    from kernels import triton_deepseek_v4_router as router
+    gate_logits = t(128, 256)
+    cases.append(("v4_route", router._route_kernel,
+                  (gate_logits, t(256, dtype=f32), gate_logits, gate_logits, t(128, 6), t(128, 6, dtype=i64), 256, 256,
+                   0, 1.5),
+                  dict(TOP_K=6, BLOCK_E=256, BLOCK_K=8, SCORING=0, HASH=False, num_warps=1)))
     return cases
 
 
@@ -487,7 +682,7 @@ def test_v4_kernels_compile_for_sm90_and_sm120() -> None:
     failures = [r for r in records if "error" in r]
     assert not failures, json.dumps(failures, indent=1)
     names = {r["kernel"] for r in records}
-    assert len(names) == 14
+    assert len(names) == 16
     for name in names:
         sm120 = [(r["shared"], r["config"]) for r in records if r["kernel"] == name and r["arch"] == "sm_120"]
         assert sm120 and all(shared <= SM120_SHARED_LIMIT for shared, _ in sm120), (name, sm120)

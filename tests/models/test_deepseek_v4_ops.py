@@ -16,11 +16,14 @@ from cluster.models import deepseek_v4_experts
 from cluster.models.deepseek_v4_experts import ExpertStack
 from cluster.models.deepseek_v4 import kernel_components
 from kernels.quant import QuantizedWeight, dequantize, quantize_nvfp4
-from kernels.deepseek_v4_ref import compress_decode_ref, compress_store_ref, hc_post_ref, hc_pre_ref
+from kernels.deepseek_v4_ref import (compress_decode_ref, compress_store_ref, hc_post_ref, hc_pre_ref, norm_rope_ref,
+                                     route_ref)
 from kernels.triton_deepseek_v4_compressor import compress_decode_triton, compress_store_triton
 from kernels.triton_deepseek_v4_attention import sparse_attention_triton
 from kernels.triton_deepseek_v4_hc import hc_post_triton, hc_pre_triton
 from kernels.triton_deepseek_v4_indexer import indexer_topk_triton
+from kernels.triton_deepseek_v4_rope import norm_rope_triton
+from kernels.triton_deepseek_v4_router import route_triton
 from tests.deepseek_factories import (V4_FLASH_CONFIG, copy_checkpoint, edit_config, engine_logits,
                                       make_v4_checkpoint, quantize_tensors, random_mtp_tensors)
 from tests.factories import mixed_prompts
@@ -48,9 +51,9 @@ def v4_dir(tmp_path_factory, one_thread):
 
 def test_kernel_components_list_what_v4_calls():
     names = {c[0] for c in kernel_components(V4_FLASH_CONFIG)}
-    assert names == {"rms_norm", "rotary", "silu_and_mul", "sampler", "v4_sparse_attention", "v4_indexer", "moe",
+    assert names == {"rms_norm", "silu_and_mul", "sampler", "v4_sparse_attention", "v4_indexer", "moe",
                      "mtp.moe", "v4_hc_pre", "v4_hc_post", "v4_compress_decode",
-                     "v4_compress_store"}
+                     "v4_compress_store", "v4_norm_rope", "v4_route"}
     sliding = dict(V4_FLASH_CONFIG, compress_ratios=[0] * 44, num_nextn_predict_layers=0)
     assert "v4_indexer" not in {c[0] for c in kernel_components(sliding)}
 
@@ -73,9 +76,12 @@ def test_attention_backend_runs_the_triton_v4_kernels(v4_dir):
 
 def test_triton_hyper_connections_and_compressor_steps_give_the_reference_logits(v4_dir):
     """Every block (and a GPU's resolution: the Triton kernels) runs the hyper-connections through
-    ``Ops.v4_hc_pre`` / ``v4_hc_post`` and its compressors' decode steps through
-    ``Ops.v4_compress_decode``: swapped for the Triton kernels (interpreted here), prefill in
-    chunks then decode rows (across compression windows) give the references' logits."""
+    ``Ops.v4_hc_pre`` / ``v4_hc_post``, its compressors' decode steps through
+    ``Ops.v4_compress_decode`` and its norms + RoPE (queries, KV entry and its window write,
+    output, indexer queries, the chunk path's entries) through ``Ops.v4_norm_rope`` and its router
+    (learned and hash layers) through ``Ops.v4_route``: swapped for
+    the Triton kernels (interpreted here), prefill in chunks then decode rows (across compression
+    windows) give the references' logits."""
     ids = mixed_prompts(512, (21,))[0]
     reference = engine_logits(LLM(v4_dir, block_size=4), "r", ids, 0, 7)
     llm = LLM(v4_dir, block_size=4)
@@ -86,9 +92,15 @@ def test_triton_hyper_connections_and_compressor_steps_give_the_reference_logits
     assert all(b.attn.compress_kernel is compress_decode_ref and b.attn.store_kernel is compress_store_ref
                for b in blocks)
     assert table["v4_compress_decode"]["impl"] == table["v4_compress_store"]["impl"] == "torch"
+    assert table["v4_norm_rope"]["impl"] == "torch" and all(b.attn.norm_rope is norm_rope_ref for b in blocks)
+    assert table["v4_route"]["impl"] == "torch" and all(b.ffn.gate.route is route_ref for b in blocks)
+    assert {b.ffn.gate.hash_routed for b in blocks} == {True, False}
     for block in blocks:
         block.hc_pre, block.hc_post = hc_pre_triton, hc_post_triton
         block.attn.compress_kernel, block.attn.store_kernel = compress_decode_triton, compress_store_triton
+        block.attn.norm_rope, block.ffn.gate.route = norm_rope_triton, route_triton
+        if block.attn.indexer is not None:
+            block.attn.indexer.norm_rope = norm_rope_triton
     ours = torch.cat([engine_logits(llm, "r", ids[:18], 0, 7), engine_logits(llm, "r", ids, 18, 1)])
     spread = (reference.max() - reference.min()).item()
     assert (ours - reference).abs().max().item() < 1e-4 * spread
