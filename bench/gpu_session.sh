@@ -41,6 +41,7 @@ for part in "$@"; do
     profile-torch) timeout 240 python3 bench/decode_profile.py --linear torch --out "$OUT/decode-profile-torch-linear-h200-$date.json" 2>&1 | grep '^{' ;;
     attntests) timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/engine/test_cuda_graphs.py -p no:cacheprovider 2>&1 | tail -8 ;;
     gputests) timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/kernels/test_linear.py tests/engine/test_cuda_graphs.py tests/models/test_deepseek_v4_ops.py tests/kernels/test_deepseek_v4_kernels.py -p no:cacheprovider 2>&1 | tail -15 ;;
+    moe) timeout 330 python3 bench/kernels.py --sections moe_decode --formats mxfp4,nvfp4 --batches 1,2,4,8,16,32,64 --budget-s 250 --out "$OUT/moe-h200-$date.json" 2>&1 | tail -30 ;;
     v4decode) timeout 400 python3 bench/v4_decode_gpu.py --out "$OUT/v4-decode-h200-$date.json" 2>&1 | tail -20 ;;
     spec) timeout 300 python3 bench/spec_decode_gpu.py --out "$OUT/spec-decode-h200-$date.json" 2>&1 | tail -12 ;;
     v4mtp) timeout 560 python3 bench/v4_mtp_gpu.py --out "$OUT/v4-mtp-h200-$date.json" 2>&1 | grep -v "^Loading" | tail -40 ;;

@@ -301,6 +301,8 @@ def main() -> None:
     parser.add_argument("--formats", default="bf16,mxfp4,fp8_block,nvfp4")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--budget-s", type=float, default=210.0, help="skip MoE formats past this")
+    parser.add_argument("--sections", default="decode_attention,prefill_attention,moe_decode,small_ops",
+                        help="which sections to run (the anchors always run)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -311,12 +313,20 @@ def main() -> None:
                                            portable_decode=PORTABLE_DECODE)}
     anchor = run_section(results, "anchors", anchors)
     copy_tb_s = anchor.get("copy_tb_s")
-    run_section(results, "decode_attention", lambda: decode_attention(copy_tb_s))
-    run_section(results, "prefill_attention", prefill_attention)
-    run_section(results, "moe_decode", lambda: moe_decode(
-        copy_tb_s, args.formats.split(","), [int(b) for b in args.batches.split(",")],
-        start + args.budget_s))
-    run_section(results, "small_ops", small_ops)
+    sections = {
+        "decode_attention": lambda: decode_attention(copy_tb_s),
+        "prefill_attention": prefill_attention,
+        "moe_decode": lambda: moe_decode(copy_tb_s, args.formats.split(","),
+                                         [int(b) for b in args.batches.split(",")], start + args.budget_s),
+        "small_ops": small_ops,
+    }
+    chosen = args.sections.split(",")
+    unknown = [name for name in chosen if name not in sections]
+    if unknown:
+        sys.exit(f"unknown sections {unknown}; choose from {sorted(sections)}")
+    results["sections"] = chosen
+    for name in chosen:
+        run_section(results, name, sections[name])
     results["total_s"] = round(time.monotonic() - start, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
