@@ -42,12 +42,10 @@ from kernels.triton_support import (INTERPRET, PORTABLE_DECODE, autotune_configs
 def _gemm_configs() -> list[triton.Config]:
     # The weight tile is the MMA's M side: two warps give each warp 16-64 weight rows and all
     # BLOCK_M activation rows (mma.sync); four or eight warps on 64+ rows make a warpgroup
-    # (wgmma: best for bf16 weights, straight from shared memory). One warp on 16-32 rows with
-    # deep fp4 K tiles: at a token or two per expert (batch-1 decode: six experts, a few hundred
-    # programs of 32 rows) there are too few programs to keep memory busy; 16-row tiles give
-    # twice as many, each with one warp.
-    shapes = [(16, 256, 1, 3), (16, 512, 1, 2), (32, 256, 1, 3),
-              (32, 128, 2, 4), (32, 256, 2, 3), (64, 128, 2, 4), (64, 256, 2, 3),
+    # (wgmma: best for bf16 weights, straight from shared memory). One-warp tiles of 16-32 rows
+    # (twice the programs at batch-1 decode) were tried and not chosen: no faster at batch 1-64
+    # (moe-h200-2026-12-03.json, kernels/NOTES.md).
+    shapes = [(32, 128, 2, 4), (32, 256, 2, 3), (64, 128, 2, 4), (64, 256, 2, 3),
               (64, 128, 4, 3), (128, 128, 4, 3), (128, 64, 8, 3)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
             for n, k, w, s in shapes]
