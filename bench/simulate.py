@@ -233,8 +233,21 @@ class Simulation:
                  interval_s: float = 10.0, ttft_target: float = 1.0, itl_target: float = 0.05,
                  shared_gpu: bool = False, gpus: int | None = None, demand_window: float | None = None,
                  prefill_max_ongoing: int = 512, graceful_shutdown_s: float = 20.0,
-                 local_prefill_wait: float | None = None, local_chunk_itl: float | None = None) -> None:
+                 local_prefill_wait: float | None = None, local_chunk_itl: float | None = None,
+                 concurrency: int | None = None, max_time: float = 3600.0) -> None:
         self.c, self.r, self.dt = costs, requests, dt
+        #: Closed-loop clients (a benchmark's ``--concurrency``): ``concurrency`` requests start at
+        #: 0 and each one that ends (finished or failed) starts the next, in order; ``requests``'
+        #: arrival times are ignored (the run's are written as they happen). None: open loop.
+        self.concurrency = concurrency
+        self.pending: deque[int] = deque()
+        if concurrency is not None:
+            n_req = len(requests["arrival"])
+            arrival = np.full(n_req, np.inf)
+            arrival[:concurrency] = 0.0
+            self.r = dict(requests, arrival=arrival)
+            self.pending = deque(range(min(concurrency, n_req), n_req))
+        self.max_time = max_time
         self.colocated, self.settings, self.interval = colocated, planner, interval_s
         self.ttft_target, self.itl_target, self.shared_gpu = ttft_target, itl_target, shared_gpu
         #: The router's demand window (arrival rate and lengths): one planning interval, as Dynamo's
@@ -450,6 +463,12 @@ class Simulation:
                 self.finished[rid] = now + dt * (1 - over)
                 self.state[rid] = DONE
                 self.replicas[self.decode_of[rid]].kv_used -= float(self.r["prompt"][rid] + self.r["output"][rid])
+                self._next_client_request(float(self.finished[rid]))
+
+    def _next_client_request(self, at: float) -> None:
+        """Closed loop: a client whose request ended sends its next one."""
+        if self.pending:
+            self.r["arrival"][self.pending.popleft()] = at
 
     # --- the planner loop ---
     def observe(self, now: float, window: float = 30.0) -> Observation:
@@ -499,14 +518,14 @@ class Simulation:
             if x.draining and (x.ready_at == math.inf or (not x.queue and x.kv_used <= 0.5)):
                 x.role = "gone"
             elif x.draining and x.role != "gone" and now - x.drain_since >= self.graceful_shutdown_s:
-                self._kill(i)  # Serve stops a draining replica after graceful_shutdown_timeout_s
+                self._kill(i, now)  # Serve stops a draining replica after graceful_shutdown_timeout_s
         held = sum(1 for x in self.replicas if x.role != "gone" and x.ready_at < math.inf)
         for x in self.replicas:
             if x.role != "gone" and x.ready_at == math.inf and held < self.gpus:
                 x.ready_at = now + self.c.startup_s
                 held += 1
 
-    def _kill(self, i: int) -> None:
+    def _kill(self, i: int, now: float) -> None:
         """A replica stopped with work on it: its unfinished requests fail (their streams error)."""
         x = self.replicas[i]
         mine = (self.state >= PREFILL) & (self.state < DONE)
@@ -528,11 +547,14 @@ class Simulation:
         self.handle_tokens = float(sum(self.r["prompt"][r] for r in self.handle_queue))
         for rid in lost:
             self.state[rid] = DONE  # finished stays NaN: failed
+            self._next_client_request(now)
         self.failed += len(lost)
         x.role, x.queue, x.kv_used = "gone", deque(), 0.0
 
     def run(self) -> dict[str, Any]:
         end = float(self.r["arrival"].max()) + 120.0 if len(self.r["arrival"]) else 0.0
+        if self.concurrency is not None:
+            end = self.max_time  # arrivals happen as requests end; stops when all are done
         now, next_plan = 0.0, self.interval
         while now < end:
             self.step(now)
@@ -558,7 +580,7 @@ class Simulation:
                                       "gpus_held": sum(1 for x in self.replicas
                                                        if x.role != "gone" and x.ready_at < math.inf)})
             if not (self.state < DONE).any() and now > float(self.r["arrival"].max()):
-                break
+                break  # (closed loop: every arrival is finite once the last request has ended)
         return self.summary()
 
     def summary(self) -> dict[str, Any]:

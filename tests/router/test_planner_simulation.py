@@ -106,3 +106,23 @@ def test_local_prefill_chunks_can_be_cut_to_the_itl_target():
     assert cut["completed"] == len(reqs["arrival"]) and cut["local_prefills"] > 0
     assert cut["tokens_over_itl_target"] == 0.0
     assert cut["ttft_p90"] < queued["ttft_p90"] / 2
+
+
+def test_closed_loop_clients_keep_their_concurrency():
+    """Closed-loop clients (a benchmark's ``--concurrency``): the first ``concurrency`` requests
+    start at 0, each later one starts when an earlier one ends, so at most ``concurrency`` are in
+    flight at any time and every request completes; the caller's requests are left as they were."""
+    costs = _costs()
+    reqs = make_requests([Phase(10.0, 4.0, "chat")], seed=3)
+    original = reqs["arrival"].copy()
+    sim = Simulation(costs, reqs, prefill=1, decode=1, dt=0.01, concurrency=3)
+    out = sim.run()
+    n = len(original)
+    assert out["completed"] == out["requests"] == n > 10
+    assert np.array_equal(reqs["arrival"], original)
+    arrival, finished = sim.r["arrival"], sim.finished
+    assert (arrival[:3] == 0.0).all() and np.isfinite(arrival).all()
+    assert np.isin(np.round(arrival[3:], 6), np.round(finished, 6)).all()  # each starts when one ends
+    times = np.linspace(0.0, float(finished.max()), 400)
+    in_flight = [int(((arrival <= t) & (finished > t)).sum()) for t in times]
+    assert max(in_flight) == 3
