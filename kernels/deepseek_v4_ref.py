@@ -261,11 +261,8 @@ def compress_store_ref(pooled: torch.Tensor, index: torch.Tensor, done: torch.Te
     the model's norm and rotary ops do: the pool and the normalised row to the cache's dtype, the
     weighted row again, the rotation computed in float32. Rows not done write the null block 0
     (an entry in progress may lie past the blocks allocated so far: its column is clamped)."""
-    dtype = cache.dtype
-    x = rms_norm_ref(pooled.to(dtype), weight, eps)[0].to(dtype)
     cos, sin = rope_cos_sin(inv_freq, index * ratio, scaling)
-    rot = 2 * cos.shape[-1]
-    x = torch.cat([x[:, :-rot], apply_rotary_ref(x[:, None, -rot:], cos, sin, True)[:, 0]], dim=-1)
+    x = norm_rope_ref(pooled.to(cache.dtype)[:, None], cos, sin, weight, eps)[:, 0]
     per_block = cache.shape[1]
     column = (index // per_block).clamp(max=table.shape[1] - 1)
     blocks = table.long().gather(1, column[:, None])[:, 0]
