@@ -48,6 +48,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
+from cluster.common.reporting import arrival_rate_cv2  # noqa: E402
 from cluster.config import TransferConfig  # noqa: E402
 from cluster.router.planner import Demand, Observation, PlannerSettings, PlannerState, RoleLoad, plan  # noqa: E402
 
@@ -496,8 +497,9 @@ class Simulation:
         if not seen.any():
             return None
         # output: the arrivals' max_tokens as the router reads them (here each request's own length)
-        return Demand(float(seen.sum()) / min(window, now), float(self.r["prompt"][seen].mean()),
-                      float(self.r["output"][seen].mean()))
+        span = min(window, now)
+        return Demand(float(seen.sum()) / span, float(self.r["prompt"][seen].mean()),
+                      float(self.r["output"][seen].mean()), arrival_rate_cv2(a[seen].tolist(), now, span))
 
     def apply(self, want: dict[str, int], now: float) -> None:
         """Serve's side of a decision: new replicas start once a GPU is free (then serve after
@@ -563,9 +565,11 @@ class Simulation:
                 next_plan += self.interval
                 self._retire(now)
                 obs = self.observe(now)
+                reason = ""
                 if self.settings is not None:
                     decision = plan(obs, self.settings, self.planner_state, now)
                     self.planner_state = decision.state
+                    reason = decision.reason
                     if decision.reason:
                         self.apply(decision.replicas, now)
                 counts = {role: sum(1 for x in self.replicas if x.role == role and not x.draining)
@@ -578,7 +582,8 @@ class Simulation:
                                       "decode_ready": obs.decode.ready_replicas,
                                       "draining": sum(1 for x in self.replicas if x.draining and x.role != "gone"),
                                       "gpus_held": sum(1 for x in self.replicas
-                                                       if x.role != "gone" and x.ready_at < math.inf)})
+                                                       if x.role != "gone" and x.ready_at < math.inf),
+                                      **({"reason": reason} if reason else {})})
             if not (self.state < DONE).any() and now > float(self.r["arrival"].max()):
                 break  # (closed loop: every arrival is finite once the last request has ended)
         return self.summary()
@@ -740,7 +745,7 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
             out["by_gpus"][str(gpus)] = {
                 "phases": [{"phase": i, "mix": ph.mix, "rate_rps": ph.rate,
                             "goodput_rps": {k: v["phases"][i]["goodput_rps"] for k, v in runs.items()}}
-                           for i, ph in enumerate(phases)], **planner_stats}
+                           for i, ph in enumerate(phases)], **planner_stats, "runs": runs}
             continue
         alone: dict[str, list[dict[str, Any]]] = {}
         for i in range(len(phases)):

@@ -21,6 +21,28 @@ HEARTBEAT_S = 2.0
 _REPORT_TIMEOUT_S = 5.0
 
 
+def arrival_rate_cv2(times: list[float], now: float, span: float, bin_s: float = 1.0, min_bins: int = 5) -> float:
+    """How bursty arrivals are: the squared coefficient of variation of the arrival rate, beyond a
+    Poisson process's own noise, from counts in ``bin_s`` bins over the last ``span`` seconds:
+    (variance - mean) / mean^2 of the counts, at least 0. Poisson arrivals give about 0; on/off
+    arrivals at r x the mean rate for 1/r of the time give r - 1, at any rate, and the same for a
+    random share of them (a replica's share of a cluster's arrivals). 0 with fewer than
+    ``min_bins`` bins or no arrivals."""
+    bins = int(span // bin_s)
+    if bins < min_bins:
+        return 0.0
+    counts = [0] * bins
+    for t in times:
+        k = int((now - t) // bin_s)
+        if 0 <= k < bins:
+            counts[k] += 1
+    mean = sum(counts) / bins
+    if mean <= 0:
+        return 0.0
+    var = sum((c - mean) ** 2 for c in counts) / bins
+    return max(0.0, (var - mean) / mean**2)
+
+
 def replica_stats(role: str, replica_id: str, metrics: dict[str, float], transfer: Any,
                   extra: dict[str, Any] | None = None) -> ReplicaStats:
     """``metrics``: LLMEngine.metrics() (gauges beyond ReplicaStats' own fields, such as

@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 from cluster.common.messages import GenerateRequest, PrefillRequest, PrefillResult, ReplicaStats, StepOutput
-from cluster.common.reporting import report_forever, routing_stats
+from cluster.common.reporting import arrival_rate_cv2, report_forever, routing_stats
 from cluster.common.serve_routing import own_routing_id
 from cluster.config import ClusterConfig
 from cluster.decode.worker import DecodeWorker
@@ -164,11 +164,12 @@ class LatencyWindow:
 class DemandWindow:
     """What arrived at this replica over the last ``window_s``: the arrival rate, the mean prompt
     tokens of those requests, and the mean output tokens (every sample's) of the requests that
-    completed in the window (an output's length is known only at its end). The planner sums the
-    rates over the decode replicas (every request is decoded by exactly one) for its predictive
-    sizing (DistServe's and Dynamo's inputs)."""
+    completed in the window (an output's length is known only at its end), and how bursty the
+    arrivals are (``arrival_rate_cv2``: the rate's squared coefficient of variation over 1 s bins,
+    beyond Poisson noise). The planner sums the rates over the decode replicas (every request is
+    decoded by exactly one) for its predictive sizing (DistServe's and Dynamo's inputs)."""
 
-    KEYS = ("arrival_rps", "prompt_tokens_mean", "output_tokens_mean")
+    KEYS = ("arrival_rps", "prompt_tokens_mean", "output_tokens_mean", "arrival_rate_cv2")
 
     def __init__(self, window_s: float = LATENCY_WINDOW_S, max_samples: int = 8192, now: float | None = None) -> None:
         self.window_s = window_s
@@ -191,4 +192,5 @@ class DemandWindow:
             span = min(span, now - arrivals[0][0])
         return {"arrival_rps": len(arrivals) / span if span > 0 else 0.0,
                 "prompt_tokens_mean": sum(n for _, n in arrivals) / len(arrivals) if arrivals else 0.0,
-                "output_tokens_mean": sum(n for _, n in done) / len(done) if done else 0.0}
+                "output_tokens_mean": sum(n for _, n in done) / len(done) if done else 0.0,
+                "arrival_rate_cv2": arrival_rate_cv2([t for t, _ in arrivals], now, span)}

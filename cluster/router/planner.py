@@ -37,7 +37,17 @@ downscale_cooldown_s, the role with the most slack (pressure under ``slack``, sa
 ``handover_starting_share`` of the budget starting at once, the donor keeping (and serving on)
 the rest until those replicas are up; (6) with a profile (``predict``), a role shrinks only to the
 most it was predicted to need over ``downscale_window_s``, unless the other role grows in the same
-decision."""
+decision; (7) growth made while a role misses its target must be seen to pay: the role grows no
+more until its new replicas have served for ``payoff_window_s``; then, if it still misses and its
+pressure has neither fallen by ``payoff_share`` of what spreading the load over the new count
+predicts nor risen past ``behind_rise`` x (the role still falling behind), the growth was futile
+(arrivals in bursts that no pool size absorbs keep the prefill queue long at any size, while
+decode replicas absorb them by prefilling locally): the role returns to its count before the
+growth, the other role takes the replicas back, and for ``futile_hold_s`` the role does
+not grow nor the other shrink, unless the demand's mix moves; while prefill is so held, TTFT is
+decode's pressure (its replicas prefill locally); (8) with a profile and bursty arrivals
+(``bursty_cv2``), prefill is sized for the rate between bursts and decode for the rest of the
+prompt work as well as its own."""
 from __future__ import annotations
 
 import dataclasses
@@ -65,6 +75,8 @@ TTFT, ITL, PREFILL_QUEUE = "ttft_p90_seconds", "itl_p90_seconds", "prefill_queue
 #: ...and what arrived at them over the same window (cluster.decode.server.DemandWindow): the
 #: planner's Demand, summed over the decode replicas.
 ARRIVAL_RPS, PROMPT_TOKENS, OUTPUT_TOKENS = "arrival_rps", "prompt_tokens_mean", "output_tokens_mean"
+#: ...and how bursty those arrivals are (cluster.common.reporting.arrival_rate_cv2).
+ARRIVAL_CV2 = "arrival_rate_cv2"
 #: Key of the planner's state in each deployment's Ray policy state.
 STATE_KEY = "pd_planner"
 #: Ray averages each replica's reports over this window.
@@ -122,6 +134,29 @@ class PlannerSettings:
     #: shrank decode and grew it back an interval later, each new replica a start-up. 60 s from
     #: the simulator (bench/simulate.py, 8 and 64 GPUs, seed 1 flapped without it).
     downscale_window_s: float = 60.0
+    #: Arrivals whose rate varies more than this (squared coefficient of variation, beyond Poisson
+    #: noise) are bursty: the prediction sizes prefill for the rate one standard deviation below
+    #: the mean (a pool sized for the mean idles between bursts and is swamped in them) and adds
+    #: the rest of the prompt work to decode, whose replicas prefill it locally, as colocated ones
+    #: would. None: steady sizing always. 0.5 from the simulator (bench/simulate.py --bursty:
+    #: Poisson windows read 0-0.1, its on/off bursts 2).
+    bursty_cv2: float | None = 0.5
+    #: Growth made while a role misses its target is judged once its new replicas have served this
+    #: long (the p90s cover the last ~30 s); the role grows no more meanwhile. None: never judged.
+    payoff_window_s: float | None = 30.0
+    #: ...it paid if the pressure fell by at least this share of what spreading the load over the
+    #: new count predicts (p x old / new), or the role meets its target again...
+    payoff_share: float = 0.5
+    #: ...otherwise it was futile: the role goes back to its old count and grows no more (and the
+    #: other role does not shrink) for this long, unless the prompt or output mean moves by more
+    #: than ``mix_shift`` from what it was then (a demand window between bursts holds few requests:
+    #: its means stray by a third). From the simulator's bursty phases (bench/simulate.py --bursty).
+    futile_hold_s: float = 300.0
+    mix_shift: float = 0.5
+    #: A pressure that rose past this multiple of its value at the growth is not futile growth but
+    #: a role still falling behind (its queue grows every interval: too few replicas, not bursts):
+    #: the verdict frees it to grow again.
+    behind_rise: float = 2.0
 
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
@@ -182,6 +217,8 @@ class Demand:
     arrival_rps: float
     prompt_tokens: float
     output_tokens: float
+    #: The arrival rate's squared coefficient of variation beyond Poisson noise (0: steady).
+    rate_cv2: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -212,6 +249,13 @@ class PlannerState:
     decode_up: float | None = None
     decode_down: float | None = None
     predictions: tuple[tuple[float, int, int], ...] = ()
+    #: Growth under a missed target awaiting its verdict (rule 7): ``(role, time, replicas before,
+    #: replicas after, pressure then, time its replicas were first seen all ready or -1, the other
+    #: role's replicas before (-1: no other role))``.
+    trials: tuple[tuple[str, float, int, int, float, float, int], ...] = ()
+    #: Futile growth: ``(role, until, the count it goes back to, the other role's count to restore
+    #: (-1: none), prompt and output means then (-1: unknown))``.
+    holds: tuple[tuple[str, float, int, int, float, float], ...] = ()
 
     def last_up(self, role: Role) -> float | None:
         return self.prefill_up if role == "prefill" else self.decode_up
@@ -241,7 +285,30 @@ class PlannerState:
         fields = {k: v for k, v in (data or {}).items() if k in names}
         if "predictions" in fields:  # JSON-like policy state holds lists
             fields["predictions"] = tuple((float(t), int(p), int(d)) for t, p, d in fields["predictions"])
+        if "trials" in fields:
+            fields["trials"] = tuple((str(r), float(t), int(n), int(m), float(p), float(ready), int(o))
+                                     for r, t, n, m, p, ready, o in fields["trials"])
+        if "holds" in fields:
+            fields["holds"] = tuple((str(r), float(u), int(n), int(o), float(pt), float(ot))
+                                    for r, u, n, o, pt, ot in fields["holds"])
         return cls(**fields)
+
+    def trial(self, role: Role) -> tuple[str, float, int, int, float, float, int] | None:
+        return next((t for t in self.trials if t[0] == role), None)
+
+    def held(self, role: Role, now: float, demand: Demand | None, s: PlannerSettings) -> tuple[int, int] | None:
+        """The counts futile growth holds ``role`` to and restores the other role to (rule 7),
+        within futile_hold_s and while the mix has not moved; None: not held."""
+        for r, until, count, other, prompt, output in self.holds:
+            if r != role or now >= until:
+                continue
+            if demand is None or prompt < 0 or demand.output_tokens <= 0:
+                return count, other
+            moved = max(abs(demand.prompt_tokens - prompt) / max(prompt, 1.0),
+                        abs(demand.output_tokens - output) / max(output, 1.0))
+            if moved <= s.mix_shift:
+                return count, other
+        return None
 
 
 @dataclass(frozen=True)
@@ -279,25 +346,47 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
     pressure = pressures(obs, s)
     want = {role: _clamp(load.replicas, s.bounds(role)) for role, load in loads.items()}
     notes: list[str] = []
+    state = _judge_growth(obs, loads, pressure, s, state, now, notes)
+    # rule 7: a role whose growth awaits its verdict, or was futile, does not grow, and the other
+    # role does not shrink meanwhile (it carries what that growth may not)
+    held = {r: state.held(r, now, obs.demand, s) for r in loads}
+    frozen = {r for r in loads if state.trial(r) is not None or held[r] is not None}
+    kept = {_other(r) for r in frozen} & set(loads)
+    if held.get("prefill") is not None and pressure["decode"] is not None:
+        # prefill's growth did not cut TTFT: decode replicas, which prefill locally, carry it now
+        pressure["decode"] = max(pressure["decode"], obs.ttft_s / s.target_ttft_s)
     predicted = predict(obs, s)
     if predicted is not None:
         state = state.with_prediction(predicted, now, s.downscale_window_s)
+        predicted = {r: min(n, loads[r].replicas) if r in frozen else max(n, loads[r].replicas) if r in kept else n
+                     for r, n in predicted.items()}
         notes += _follow_prediction(want, predicted, loads, pressure, s, state, now)
     for role, load in loads.items():
         p = pressure[role]
         cooled = _since(state.last_up(role), now) >= s.upscale_cooldown_s
         grown = predicted is not None and want[role] > load.replicas  # the prediction already grew it
-        if p is not None and p > 1.0 and not load.starting and cooled and not grown:
+        if p is not None and p > 1.0 and not load.starting and cooled and not grown and role not in frozen:
             step = max(1, math.ceil(load.replicas * min(p - 1.0, 1.0)))
             want[role] = min(s.bounds(role)[1], max(want[role], load.replicas + step))
+    for role, counts in held.items():  # back to the counts before the futile growth
+        if counts is None:
+            continue
+        count, other_count = max(counts[0], s.bounds(role)[0]), counts[1]
+        want[role] = min(want[role], count)
+        other = _other(role)
+        if other in want and other_count > want[other]:  # the other takes back what it gave, room allowing
+            room = math.inf if s.max_total_replicas is None else s.max_total_replicas - sum(want.values())
+            want[other] = min(s.bounds(other)[1], want[other] + max(0, min(other_count - want[other], room)))
     notes += _fit_budget(want, loads, pressure, state, s, now, predicted)
     notes += _pace_handover(want, loads, s)
+    for role in frozen:
+        want[role] = min(want[role], max(loads[role].replicas, s.bounds(role)[0]))
     # Nothing shrinks while users see a missed target, even one no role here can act on.
     nothing_over = (all(p is None or p <= 1.0 for p in pressure.values())
                     and obs.ttft_s <= s.target_ttft_s and obs.itl_s <= s.target_itl_s)
     if (predicted is None and nothing_over and all(want[r] == loads[r].replicas for r in loads)
             and _since(state.last_change(), now) >= s.downscale_cooldown_s):
-        idle = [r for r in loads if _has_slack(r, loads[r], pressure[r], state, s, now)]
+        idle = [r for r in loads if r not in kept and _has_slack(r, loads[r], pressure[r], state, s, now)]
         if idle:
             role = min(idle, key=lambda r: pressure[r] or 0.0)
             want[role] -= 1
@@ -306,6 +395,12 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
     changes = []
     for role, load in loads.items():
         new_state = new_state.changed(role, want[role] - load.replicas, now)
+        p = pressure[role]
+        if (s.payoff_window_s is not None and want[role] > load.replicas and p is not None and p > 1.0
+                and role not in kept):  # rule 7: growth under a missed target awaits its verdict
+            other = loads.get(_other(role))
+            new_state = dataclasses.replace(new_state, trials=new_state.trials + (
+                (role, now, load.replicas, want[role], p, -1.0, other.replicas if other is not None else -1),))
         if want[role] != load.replicas:
             changes.append(f"{role} {load.replicas}->{want[role]} (pressure {_fmt(pressure[role])})")
     reason = "; ".join(changes + notes) if changes else ""
@@ -336,6 +431,9 @@ def predict(obs: Observation, s: PlannerSettings) -> dict[Role, int] | None:
                if s.prefill_tokens_per_s else 0.0)
     if has_prefill:
         need["prefill"] = prefill
+        if s.bursty_cv2 is not None and d.rate_cv2 > s.bursty_cv2:  # bursts: decode prefills the excess locally
+            base = prefill * max(0.0, 1.0 - math.sqrt(d.rate_cv2)) if d.arrival_rps > 0 else 0.0
+            need["prefill"], need["decode"] = base, need["decode"] + prefill - base
     else:  # decode replicas prefill every prompt too
         need["decode"] += prefill
     want = {r: _clamp(max(1, math.ceil(n - 1e-9)), s.bounds(r)) for r, n in need.items()}
@@ -361,6 +459,37 @@ def backlog(obs: Observation) -> float:
             return 0.0
         return load.waiting * max(1, load.ready_replicas if load.ready_replicas is not None else load.replicas)
     return total(obs.decode) + total(obs.prefill)
+
+
+def _judge_growth(obs: Observation, loads: dict[Role, RoleLoad], pressure: dict[Role, float | None],
+                  s: PlannerSettings, state: PlannerState, now: float, notes: list[str]) -> PlannerState:
+    """Rule 7's verdicts: a trial ends paid once the role meets its target again, or when, its new
+    replicas having served payoff_window_s, its pressure fell to within payoff_share of what spreading
+    the load over them predicts; otherwise futile: the role is held to its count before the growth.
+    A role that shrank below the trial's count since ends it. Holds expire."""
+    trials, holds = [], [h for h in state.holds if h[1] > now]
+    for trial in state.trials:
+        role, grown_at, before, after, p_then, ready_at, other_before = trial
+        load, p = loads.get(role), pressure.get(role)  # type: ignore[call-overload]
+        if load is None or s.payoff_window_s is None or load.replicas < after or (p is not None and p <= 1.0):
+            continue
+        if ready_at < 0:
+            if load.starting or not load.reported:
+                trials.append(trial)
+                continue
+            ready_at = now
+        if p is None or now - ready_at < s.payoff_window_s:
+            trials.append((role, grown_at, before, after, p_then, ready_at, other_before))
+            continue
+        expected = p_then * (1.0 - s.payoff_share * (1.0 - before / after))
+        if p <= expected or p > s.behind_rise * p_then:  # paid, or still too small: free to grow
+            continue
+        d = obs.demand
+        holds.append((role, now + s.futile_hold_s, before, other_before,
+                      d.prompt_tokens if d else -1.0, d.output_tokens if d else -1.0))
+        notes.append(f"{role}'s growth {before}->{after} did not pay (pressure {p_then:.2f} -> {p:.2f}, "
+                     f"paying would be <= {expected:.2f})")
+    return dataclasses.replace(state, trials=tuple(trials), holds=tuple(holds))
 
 
 def _follow_prediction(want: dict[Role, int], predicted: dict[Role, int], loads: dict[Role, RoleLoad],
@@ -471,6 +600,10 @@ def _has_slack(role: Role, load: RoleLoad, pressure: float | None, state: Planne
     return pressure is not None and pressure < s.slack and _can_give(role, 1, load, pressure, state, s, now)
 
 
+def _other(role: Role) -> Role:
+    return "decode" if role == "prefill" else "prefill"
+
+
 def _since(t: float | None, now: float) -> float:
     return math.inf if t is None else now - t
 
@@ -564,7 +697,8 @@ def demand(decode: AutoscalingContext) -> Demand | None:
         weight = sum(rates[r] for r in values)
         return sum(rates[r] * v for r, v in values.items()) / weight if weight > 0 else 0.0
     prompt, output = weighted(PROMPT_TOKENS), weighted(OUTPUT_TOKENS)
-    return Demand(total, prompt, output) if output > 0 else None
+    cv2 = sum(rates[r] * (metrics.get(ARRIVAL_CV2) or {}).get(r, 0.0) for r in rates) / total
+    return Demand(total, prompt, output, cv2) if output > 0 else None
 
 
 def _latencies(decode: AutoscalingContext) -> dict[str, float]:

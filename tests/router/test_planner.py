@@ -459,11 +459,12 @@ def test_decode_replicas_report_what_the_planner_reads():
 
     reported = asyncio.run(run())
     assert set(reported) == {planner.WAITING, planner.KV_USAGE, planner.TTFT, planner.ITL, planner.PREFILL_QUEUE,
-                             planner.ARRIVAL_RPS, planner.PROMPT_TOKENS, planner.OUTPUT_TOKENS}
+                             planner.ARRIVAL_RPS, planner.PROMPT_TOKENS, planner.OUTPUT_TOKENS, planner.ARRIVAL_CV2}
     assert reported[planner.TTFT] >= 0.5 and reported[planner.PREFILL_QUEUE] == 0.2
     # one request of 3 prompt tokens in the 10 s the replica has been up, 3 tokens out
     assert reported[planner.ARRIVAL_RPS] == pytest.approx(0.1, rel=0.01)
     assert reported[planner.PROMPT_TOKENS] == 3.0 and reported[planner.OUTPUT_TOKENS] == 3.0
+    assert reported[planner.ARRIVAL_CV2] >= 0.0
     assert reported[planner.KV_USAGE] == 0.25 and all(isinstance(v, float) for v in reported.values())
 
 
@@ -491,13 +492,15 @@ def test_demand_window_reports_rate_and_token_means_of_its_window():
     from cluster.decode.server import DemandWindow
 
     window = DemandWindow(window_s=30.0, now=0.0)
-    assert window.summary(now=0.0) == {"arrival_rps": 0.0, "prompt_tokens_mean": 0.0, "output_tokens_mean": 0.0}
+    assert window.summary(now=0.0) == {"arrival_rps": 0.0, "prompt_tokens_mean": 0.0, "output_tokens_mean": 0.0,
+                                       "arrival_rate_cv2": 0.0}
     for i in range(20):  # 2 requests a second for 10 s, prompts of 100 and 300 tokens
         window.arrive(100 if i % 2 else 300, now=i / 2)
     for i in range(5):
         window.complete(50, now=5.0 + i)
     got = window.summary(now=10.0)
-    assert got == {"arrival_rps": 2.0, "prompt_tokens_mean": 200.0, "output_tokens_mean": 50.0}  # over 10 s up
+    assert got == {"arrival_rps": 2.0, "prompt_tokens_mean": 200.0, "output_tokens_mean": 50.0,
+                   "arrival_rate_cv2": 0.0}  # over 10 s up; evenly spaced: no burst
     assert window.summary(now=35.0)["arrival_rps"] == pytest.approx(10 / 30)  # those of the last 30 s
     assert window.summary(now=100.0)["arrival_rps"] == 0.0
     full = DemandWindow(window_s=30.0, max_samples=4, now=0.0)
@@ -560,14 +563,30 @@ ray.shutdown()
 
 def fake_app(args: dict[str, Any]) -> Any:
     """Stand-ins for the two roles under their deployment names, sized by deployment_scaling as
-    build_app sizes them, reporting fixed metrics: prefill-bound (TTFT ``fake_ttft_s``), decode idle."""
+    build_app sizes them: prefill-bound, decode idle. The TTFT they report is ``fake_ttft_s`` x the
+    initial prefill replicas / the live ones (each prefill replica leaves a file named by its pid in
+    ``fake_dir``), so growing prefill pays, as the planner's rule 7 asks to see; with
+    ``fake_ttft_fixed`` it stays put, and growth is futile."""
     from ray import serve
 
-    ttft = float(args.pop("fake_ttft_s"))
+    ttft, fixed, where = float(args.pop("fake_ttft_s")), bool(args.pop("fake_ttft_fixed", False)), args.pop("fake_dir")
     config = parse_cluster_args(args, use_env=False)
+
+    def live_prefill() -> int:
+        alive = 0
+        for name in os.listdir(where):
+            try:
+                os.kill(int(name), 0)
+                alive += 1
+            except (OSError, ValueError):
+                pass
+        return max(1, alive)
 
     @serve.deployment(name="PrefillServer", ray_actor_options={"num_cpus": 0})
     class Prefill:
+        def __init__(self) -> None:
+            open(os.path.join(where, str(os.getpid())), "w").close()
+
         def record_autoscaling_stats(self) -> dict[str, float]:
             return {planner.WAITING: 0.0, planner.KV_USAGE: 0.1}
 
@@ -577,7 +596,8 @@ def fake_app(args: dict[str, Any]) -> Any:
             self.prefill = prefill
 
         def record_autoscaling_stats(self) -> dict[str, float]:
-            return {planner.WAITING: 0.0, planner.KV_USAGE: 0.05, planner.TTFT: ttft, planner.ITL: 0.001,
+            now = ttft if fixed else ttft * config.prefill_replicas / live_prefill()
+            return {planner.WAITING: 0.0, planner.KV_USAGE: 0.05, planner.TTFT: now, planner.ITL: 0.001,
                     planner.PREFILL_QUEUE: 0.0}
 
     prefill = Prefill.options(**planner.deployment_scaling(config, "prefill")).bind()
@@ -585,8 +605,8 @@ def fake_app(args: dict[str, Any]) -> Any:
 
 
 @pytest.mark.e2e
-def test_ray_runs_the_planner_named_in_a_serve_config():
-    args = {"fake_ttft_s": 3.0, "autoscale": True, "prefill_replicas": 2, "decode_replicas": 2, "min_replicas": 1,
+def test_ray_runs_the_planner_named_in_a_serve_config(tmp_path):
+    args = {"fake_ttft_s": 3.0, "fake_dir": str(tmp_path), "autoscale": True, "prefill_replicas": 2, "decode_replicas": 2, "min_replicas": 1,
             "max_replicas": 5, "max_total_replicas": 6, "upscale_cooldown_s": 2, "downscale_cooldown_s": 4}
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
@@ -599,7 +619,8 @@ def test_ray_runs_the_planner_named_in_a_serve_config():
                             capture_output=True, text=True, timeout=300)
     lines = [line for line in result.stdout.splitlines() if line.startswith("COUNTS ")]
     assert lines, result.stdout[-3000:] + result.stderr[-3000:]
-    # Prefill-bound: prefill grew 2 -> 4 -> 5 and, at the budget of 6, decode gave it one.
+    # Prefill-bound: prefill grew 2 -> 4 (TTFT 3.0 -> 1.5: it paid) -> 5 and, at the budget of 6,
+    # decode gave it one. The planner's state (rule 7's trials) went through Ray's policy state.
     assert json.loads(lines[-1].removeprefix("COUNTS ")) == {"PrefillServer": 5, "DecodeServer": 1}
 
 
@@ -621,3 +642,110 @@ def test_a_handover_under_the_budget_is_paced_by_the_replicas_starting():
     free = profiled(handover_starting_share=0.25, max_total_replicas=None)
     unpaced = plan(obs, profiled(max_total_replicas=None), PlannerState(), now=1000.0)
     assert counts(plan(obs, free, PlannerState(), now=1000.0)) == counts(unpaced) == (7, 6)
+
+
+def test_growth_under_a_missed_target_waits_for_its_verdict_and_stays_when_it_paid():
+    """Rule 7: prefill over its target grows 2 -> 4 and then grows no more until its new replicas
+    have served payoff_window_s; the queue having fallen as two more replicas predict, it paid,
+    and prefill grows again; decode does not shrink while the verdict is out."""
+    s = make_settings()
+    first = plan(observe(2, 4, ttft=3.0, queue=1.5, itl=0.01, kv=0.1), s, PlannerState(), now=1000.0)
+    assert counts(first) == (4, 4) and first.state.trial("prefill")[2:5] == (2, 4, 3.0)
+    starting = observe(4, 4, ttft=3.0, queue=1.5, itl=0.01, kv=0.1)
+    starting = dataclasses.replace(starting, prefill=RoleLoad(4, ready_replicas=2, kv_usage=0.2))
+    state = plan(starting, s, first.state, now=1040.0).state
+    assert state.trial("prefill")[5] == -1.0  # not up yet: the clock has not started
+    up = observe(4, 4, ttft=2.0, queue=1.0, itl=0.01, kv=0.1)
+    waiting = plan(up, s, state, now=1050.0)  # up now; cooled, over target, yet held for its verdict
+    assert counts(waiting) == (4, 4) and waiting.state.trial("prefill")[5] == 1050.0
+    # pressure 3.0 -> 2.0: at most 3.0 x (1 - 0.5 x (1 - 2/4)) = 2.25 was asked: it paid; it grows again
+    paid = plan(up, s, waiting.state, now=1080.0)
+    assert paid.state.trial("prefill")[2:4] == (4, 6) and paid.replicas["prefill"] == 6
+    assert not paid.state.holds
+    # meeting the target ends a trial at once
+    met = plan(observe(4, 4, ttft=0.5, queue=0.2, itl=0.01, kv=0.1), s, waiting.state, now=1055.0)
+    assert met.state.trials == () and met.state.holds == ()
+
+
+def test_futile_growth_goes_back_and_holds_until_the_mix_moves():
+    """Rule 7, the simulator's bursty RAG lesson: bursts keep the prefill queue long at any pool
+    size while decode replicas absorb them by prefilling locally. Growth that did not cut the
+    pressure goes back (decode takes back what it gave) and prefill grows no more, nor decode
+    shrinks, for futile_hold_s, unless the demand's mix moves."""
+    s = profiled(handover_starting_share=None)
+    obs = with_demand(observe(2, 6, ttft=3.0, queue=1.5, itl=0.01, kv=0.1), 4.0, 4000, 800)  # predicts prefill 2, decode 4
+    first = plan(obs, s, PlannerState(), now=1000.0)
+    assert counts(first) == (4, 4) and first.state.trial("prefill")[6] == 6  # decode gave two
+    after = with_demand(observe(4, 4, ttft=2.8, queue=1.4, itl=0.01, kv=0.1), 4.0, 4000, 800)
+    state = plan(after, s, first.state, now=1070.0).state  # all up: the window starts
+    verdict = plan(after, s, state, now=1100.0)
+    assert counts(verdict) == (2, 6) and "did not pay" in verdict.reason
+    assert verdict.state.trials == () and verdict.state.held("prefill", 1100.0, after.demand, s) == (2, 6)
+    back = with_demand(observe(2, 6, ttft=3.0, queue=1.5, itl=0.01, kv=0.1), 4.0, 4000, 800)
+    held = plan(back, s, verdict.state, now=1200.0)
+    assert counts(held) == (2, 6)  # over target and cooled, yet held; decode (predicted 4) keeps 6
+    assert counts(plan(back, s, verdict.state, now=1100.0 + s.futile_hold_s)) == (4, 4)  # the hold expired
+    moved = with_demand(observe(2, 6, ttft=3.0, queue=1.5, itl=0.01, kv=0.1), 4.0, 12_000, 800)
+    assert plan(moved, s, verdict.state, now=1200.0).replicas["prefill"] > 2  # the mix moved: free to grow
+    # the state round-trips through a policy state dict (Ray keeps it between ticks)
+    assert PlannerState.from_dict(json.loads(json.dumps(dataclasses.asdict(verdict.state)))) == verdict.state
+    assert PlannerState.from_dict(json.loads(json.dumps(dataclasses.asdict(first.state)))) == first.state
+    # a pressure that more than doubled says prefill falls further behind (its queue grows every
+    # interval: too few replicas, not bursts): no hold, it is free to grow again (here into a budget
+    # of 12, decode keeping its predicted 4)
+    behind = with_demand(observe(4, 4, ttft=7.0, queue=3.5, itl=0.01, kv=0.1), 4.0, 4000, 800)
+    roomy = dataclasses.replace(s, max_total_replicas=12)
+    rising = plan(behind, roomy, state, now=1100.0)
+    assert rising.state.holds == () and "did not pay" not in rising.reason
+    assert rising.replicas["prefill"] > 4 and rising.state.trial("prefill")[2] == 4
+    # without a verdict window, growth is never judged
+    off = profiled(handover_starting_share=None, payoff_window_s=None)
+    assert plan(obs, off, PlannerState(), now=1000.0).state.trials == ()
+
+
+def test_arrival_burstiness_is_the_rate_variation_beyond_poisson_noise():
+    """arrival_rate_cv2 (what decode replicas report, and the simulator computes): about 0 for
+    Poisson arrivals at any rate, about r - 1 for on/off bursts at r x the mean rate (the
+    simulator's bursty phases: 3x for 5 s of every 15 s), also on a random share of them."""
+    import random
+
+    from cluster.common.reporting import arrival_rate_cv2
+
+    rng = random.Random(0)
+    for rate in (2.0, 20.0, 200.0):
+        poisson, t = [], 0.0
+        while t < 60.0:
+            t += rng.expovariate(rate)
+            poisson.append(t)
+        assert arrival_rate_cv2(poisson, 60.0, 60.0) < 0.15
+        bursts = [t for t in (rng.uniform(0, 60.0) for _ in range(int(rate * 60))) if t % 15.0 < 5.0]
+        share = [t for t in bursts if rng.random() < 0.25]  # one replica's share of the cluster's arrivals
+        assert arrival_rate_cv2(bursts, 60.0, 60.0) == pytest.approx(2.0, abs=0.5)
+        if rate > 2.0:
+            assert arrival_rate_cv2(share, 60.0, 60.0) == pytest.approx(2.0, abs=0.7)
+    assert arrival_rate_cv2([], 60.0, 60.0) == 0.0 and arrival_rate_cv2([1.0], 2.0, 2.0) == 0.0  # too few bins
+    # the application policy weighs each replica's value by its arrival rate
+    reports = {**decode_metrics(itl=0.05), planner.ARRIVAL_RPS: 2.0, planner.PROMPT_TOKENS: 4000.0,
+               planner.OUTPUT_TOKENS: 150.0, planner.ARRIVAL_CV2: 2.0}
+    ctx = make_context("DecodeServer", 2, reports, settings=profiled())
+    assert planner.demand(ctx).rate_cv2 == pytest.approx(2.0)
+
+
+def test_bursty_arrivals_size_prefill_for_the_rate_between_bursts():
+    """Rule 8, the simulator's bursty RAG lesson (on/off bursts of 3x the mean rate): a prefill
+    pool sized for the mean idles between bursts and is swamped in them, while decode replicas
+    absorb bursts by prefilling locally; the best fixed splits had the fewest prefill replicas.
+    Bursty demand sizes prefill for the rate one standard deviation below the mean and adds the
+    rest of the prompt work to decode's need."""
+    s = profiled(max_total_replicas=None, max_prefill=16, max_decode=16)
+    steady = with_demand(observe(2, 2), 8.0, 4000, 300)  # prefill 8 x 4,000 / 8,000 = 4, decode 3
+    assert planner.predict(steady, s) == {"prefill": 4, "decode": 3}
+    mild = dataclasses.replace(steady, demand=dataclasses.replace(steady.demand, rate_cv2=0.3))
+    assert planner.predict(mild, s) == {"prefill": 4, "decode": 3}  # under bursty_cv2: Poisson noise
+    bursty = dataclasses.replace(steady, demand=dataclasses.replace(steady.demand, rate_cv2=0.64))
+    # the rate 0.8 sigma below: prefill 4 x 0.2 = 0.8 -> 1; decode 3 + 3.2 = 6.2 -> 7
+    assert planner.predict(bursty, s) == {"prefill": 1, "decode": 7}
+    on_off = dataclasses.replace(steady, demand=dataclasses.replace(steady.demand, rate_cv2=2.0))
+    assert planner.predict(on_off, s) == {"prefill": 1, "decode": 7}  # nothing between bursts: the floor
+    assert planner.predict(on_off, profiled(max_total_replicas=None, bursty_cv2=None,
+                                            max_prefill=16, max_decode=16)) == {"prefill": 4, "decode": 3}
