@@ -25,7 +25,8 @@ quantiles, i.e. the pair ``cluster:kv_transfer_seconds_sum`` (seconds spent movi
 transfer time. Numeric entries of ``ReplicaStats.extra`` whose key is a valid metric name become
 gauges ``cluster:<key>`` (e.g. ``spec_accept_len``), or counters where the key ends in ``_total``
 (``cluster:num_preemptions_total``, ``cluster:forked_samples_total``, ``cluster:prefill_requests_total``,
-``cluster:remote_prefill_failures_total``), so roles can add them without touching this file.
+``cluster:remote_prefill_failures_total``, ``cluster:local_prefills_total``: prompts the ingress
+sent to a decode replica to prefill itself), so roles can add them without touching this file.
 """
 from __future__ import annotations
 

@@ -60,6 +60,9 @@ class DecodeWorker:
         self.max_model_len = self.engine.info.max_model_len
         #: Remote prefills that failed (then prefilled here, or failed the request).
         self.remote_prefill_failures = 0
+        #: Requests the ingress sent here to be prefilled on this replica (short prompts, no
+        #: prefill role, or a saturated prefill pool: cluster.router.ingress.prefill_locally).
+        self.local_prefills = 0
         #: Requests waiting for KV blocks to reserve, first come first served: the head tries
         #: again every RESERVE_POLL_S; the others wait for their event (set at their turn).
         self._reserve_queue: list[asyncio.Event] = []
@@ -78,6 +81,7 @@ class DecodeWorker:
         first = group.samples[0].request_id
         deadline = group.samples[0].deadline
         local = req.local_prefill or self.prefill_fn is None
+        self.local_prefills += int(local)
         self.lifecycle.start(rid, DecodeState.LOCAL_PREFILL if local else DecodeState.WAITING_FOR_BLOCKS, deadline)
         queue = self.engine.open_stream(rid)
         timings: dict[str, float] = {}
@@ -220,7 +224,8 @@ class DecodeWorker:
         stats = await self.engine.stats()
         stats.gauges["num_requests_waiting"] += self.reserve_waiting  # those waiting for blocks to reserve
         return replica_stats("decode", replica_id, stats.gauges, self.backend.stats,
-                             {"remote_prefill_failures_total": float(self.remote_prefill_failures), **stats.counters,
+                             {"remote_prefill_failures_total": float(self.remote_prefill_failures),
+                              "local_prefills_total": float(self.local_prefills), **stats.counters,
                               **self.lifecycle.gauges("decode_requests")})
 
     def shutdown(self) -> None:

@@ -81,3 +81,47 @@ def test_disaggregated_equals_colocated(cluster, model_dir, expected, backend, c
         assert sum(transferred) > 0
     # every remote prefill went through the transfer: none fell back to prefilling on decode
     assert cluster.metric("cluster:remote_prefill_failures_total", role="decode") == [0.0]
+
+
+def test_a_saturated_prefill_pool_sends_prompts_to_the_decode_replica(cluster, model_dir):
+    """The router's rule under load, in the real app (issue 18): with local_prefill_queue_threshold
+    1 and a prefill replica that takes 64 prompt tokens a step, a flood of long prompts fills its
+    queue; once the ingress's cluster view shows it (replica reports every 0.5 s, the view every
+    1 s), the prompts that follow are prefilled on the decode replica instead. Both paths serve,
+    every output equals LLM.generate's, and no remote prefill fell back."""
+    budget, max_tokens = 64, 4
+    flood = mixed_prompts(300, tuple(400 + 7 * i for i in range(24)), seed=31)
+    later = mixed_prompts(300, tuple(300 + 11 * i for i in range(16)), seed=32)
+    llm = LLM(model_dir, block_size=16, max_num_batched_tokens=budget)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(flood + later, params)]
+    del llm
+    cluster.deploy({"model": model_dir, "kv_transfer": "ipc", "local_prefill_queue_threshold": 1,
+                    "max_num_batched_tokens": budget})
+    name = model_name(model_dir)
+    before = sum(cluster.metric("cluster:local_prefills_total", role="decode"))
+
+    async def run() -> list[list[int]]:
+        client = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0)
+
+        async def one(prompt: list[int]) -> list[int]:
+            resp = await client.completions.create(
+                model=name, prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            return token_ids_of(resp)
+        try:
+            first = [asyncio.create_task(one(p)) for p in flood]
+            rest = []
+            for prompt in later:  # one every 0.25 s while the flood queues at the prefill replica
+                await asyncio.sleep(0.25)
+                rest.append(asyncio.create_task(one(prompt)))
+            return list(await asyncio.gather(*first, *rest))
+        finally:
+            await client.close()
+
+    got = asyncio.run(run())
+    assert got == expected[:len(got)] and len(got) == len(flood) + len(later)
+    local = cluster.wait_for_metric("cluster:local_prefills_total", lambda v: sum(v) > before, role="decode")
+    assert sum(local) > before  # the saturated pool sent prompts to the decode replica...
+    assert sum(cluster.metric("cluster:kv_transfer_bytes_total", role="prefill")) > 0  # ...and it served others
+    assert cluster.metric("cluster:remote_prefill_failures_total", role="decode") == [0.0]
