@@ -385,6 +385,9 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
     nothing_over = (all(p is None or p <= 1.0 for p in pressure.values())
                     and obs.ttft_s <= s.target_ttft_s and obs.itl_s <= s.target_itl_s)
     if (predicted is None and nothing_over and all(want[r] == loads[r].replicas for r in loads)
+            # no data is not idle: a deployed role (its running replicas known) that has not
+            # reported yet blocks it (plan_deployment's stand-in for the other role counts none)
+            and all(load.reported or load.ready_replicas is None for load in loads.values())
             and _since(state.last_change(), now) >= s.downscale_cooldown_s):
         idle = [r for r in loads if r not in kept and _has_slack(r, loads[r], pressure[r], state, s, now)]
         if idle:

@@ -565,8 +565,8 @@ def fake_app(args: dict[str, Any]) -> Any:
     """Stand-ins for the two roles under their deployment names, sized by deployment_scaling as
     build_app sizes them: prefill-bound, decode idle. The TTFT they report is ``fake_ttft_s`` x the
     initial prefill replicas / the live ones (each prefill replica leaves a file named by its pid in
-    ``fake_dir``), so growing prefill pays, as the planner's rule 7 asks to see; with
-    ``fake_ttft_fixed`` it stays put, and growth is futile."""
+    ``fake_dir``, removed when it stops), so growing prefill pays, as the planner's rule 7 asks to
+    see; with ``fake_ttft_fixed`` it stays put, and growth is futile."""
     from ray import serve
 
     ttft, fixed, where = float(args.pop("fake_ttft_s")), bool(args.pop("fake_ttft_fixed", False)), args.pop("fake_dir")
@@ -575,17 +575,24 @@ def fake_app(args: dict[str, Any]) -> Any:
     def live_prefill() -> int:
         alive = 0
         for name in os.listdir(where):
-            try:
-                os.kill(int(name), 0)
-                alive += 1
-            except (OSError, ValueError):
+            try:  # a stopped replica's process may linger as a zombie: not alive
+                with open(f"/proc/{int(name)}/stat") as f:
+                    alive += f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            except (OSError, ValueError, IndexError):
                 pass
         return max(1, alive)
 
     @serve.deployment(name="PrefillServer", ray_actor_options={"num_cpus": 0})
     class Prefill:
         def __init__(self) -> None:
-            open(os.path.join(where, str(os.getpid())), "w").close()
+            self.mark = os.path.join(where, str(os.getpid()))
+            open(self.mark, "w").close()
+
+        def __del__(self) -> None:  # Serve calls it on a graceful stop (scale-down)
+            try:
+                os.remove(self.mark)
+            except OSError:
+                pass
 
         def record_autoscaling_stats(self) -> dict[str, float]:
             return {planner.WAITING: 0.0, planner.KV_USAGE: 0.1}
@@ -749,3 +756,18 @@ def test_bursty_arrivals_size_prefill_for_the_rate_between_bursts():
     assert planner.predict(on_off, s) == {"prefill": 1, "decode": 7}  # nothing between bursts: the floor
     assert planner.predict(on_off, profiled(max_total_replicas=None, bursty_cv2=None,
                                             max_prefill=16, max_decode=16)) == {"prefill": 4, "decode": 3}
+
+
+def test_a_deployed_role_that_has_not_reported_blocks_a_slack_shrink():
+    """Seen in Ray: at start-up prefill reported an empty queue before decode's latencies arrived,
+    so prefill looked idle and shed a replica, then grew it back a moment later. A role whose
+    replicas run (ready_replicas known) but have not reported is no evidence of slack; the
+    deployment-level policy's stand-in for the other role (no replicas known) does not block."""
+    s = make_settings()
+    quiet = Observation(prefill=RoleLoad(2, ready_replicas=2, kv_usage=0.0), decode=RoleLoad(2, ready_replicas=2, reported=False),
+                        ttft_s=0.0, itl_s=0.0, prefill_queue_s=0.0)
+    assert counts(plan(quiet, s, PlannerState(), now=1000.0)) == (2, 2)
+    reported = dataclasses.replace(quiet, decode=RoleLoad(2, ready_replicas=2, kv_usage=0.0))
+    assert counts(plan(reported, s, PlannerState(), now=1000.0)) != (2, 2)  # both idle and heard: one goes
+    stand_in = dataclasses.replace(quiet, decode=RoleLoad(2, reported=False))
+    assert counts(plan(stand_in, s, PlannerState(), now=1000.0)) == (1, 2)
