@@ -544,7 +544,7 @@ def _fit_budget(want: dict[Role, int], loads: dict[Role, RoleLoad], pressure: di
     notes = []
     growing = sorted((r for r in want if want[r] > loads[r].replicas), key=lambda r: -(pressure[r] or 0.0))
     for role in growing:
-        other: Role = "decode" if role == "prefill" else "prefill"
+        other = _other(role)
         if other not in want or want[other] != loads[other].replicas:
             continue
         most = min(sum(want.values()) - budget, max(1, loads[other].replicas // 2))  # half at a time
@@ -574,7 +574,7 @@ def _pace_handover(want: dict[Role, int], loads: dict[Role, RoleLoad], s: Planne
     limit = max(1, math.ceil(share * budget))
     notes = []
     for role, load in loads.items():
-        other: Role = "decode" if role == "prefill" else "prefill"
+        other = _other(role)
         grow, give = want[role] - load.replicas, loads[other].replicas - want[other]
         if grow <= 0 or give <= 0:
             continue

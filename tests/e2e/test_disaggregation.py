@@ -36,13 +36,15 @@ async def run_concurrently(base_url: str, model: str, extra: dict, concurrency: 
 
 
 async def run_concurrently_prompts(base_url: str, model: str, prompt_list: list[list[int]], extra: dict,
-                                   max_tokens: int, concurrency: int = 8) -> list[list[int]]:
-    """Greedy/seeded completions of token-id prompts over HTTP, ``concurrency`` at a time; the
-    generated token ids of each."""
+                                   max_tokens: int, concurrency: int = 8,
+                                   delays: list[float] | None = None) -> list[list[int]]:
+    """Greedy/seeded completions of token-id prompts over HTTP, ``concurrency`` at a time (each
+    sent ``delays[i]`` seconds after the start, if given); the generated token ids of each."""
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(prompt: list[int]) -> list[int]:
+    async def one(prompt: list[int], delay: float) -> list[int]:
+        await asyncio.sleep(delay)
         async with sem:
             resp = await client.completions.create(
                 model=model, prompt=prompt, max_tokens=max_tokens, logprobs=0,
@@ -50,7 +52,7 @@ async def run_concurrently_prompts(base_url: str, model: str, prompt_list: list[
                 **extra)
             return token_ids_of(resp)
     try:
-        return await asyncio.gather(*(one(p) for p in prompt_list))
+        return await asyncio.gather(*(one(p, d) for p, d in zip(prompt_list, delays or [0.0] * len(prompt_list))))
     finally:
         await client.close()
 
@@ -98,28 +100,11 @@ def test_a_saturated_prefill_pool_sends_prompts_to_the_decode_replica(cluster, m
     del llm
     cluster.deploy({"model": model_dir, "kv_transfer": "ipc", "local_prefill_queue_threshold": 1,
                     "max_num_batched_tokens": budget})
-    name = model_name(model_dir)
     before = sum(cluster.metric("cluster:local_prefills_total", role="decode"))
-
-    async def run() -> list[list[int]]:
-        client = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0)
-
-        async def one(prompt: list[int]) -> list[int]:
-            resp = await client.completions.create(
-                model=name, prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=0,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-            return token_ids_of(resp)
-        try:
-            first = [asyncio.create_task(one(p)) for p in flood]
-            rest = []
-            for prompt in later:  # one every 0.25 s while the flood queues at the prefill replica
-                await asyncio.sleep(0.25)
-                rest.append(asyncio.create_task(one(prompt)))
-            return list(await asyncio.gather(*first, *rest))
-        finally:
-            await client.close()
-
-    got = asyncio.run(run())
+    # the flood at once, then one prompt every 0.25 s while it queues at the prefill replica
+    delays = [0.0] * len(flood) + [0.25 * (i + 1) for i in range(len(later))]
+    got = asyncio.run(run_concurrently_prompts(cluster.base_url, model_name(model_dir), flood + later,
+                                               {"temperature": 0.0}, max_tokens, len(delays), delays))
     assert got == expected[:len(got)] and len(got) == len(flood) + len(later)
     local = cluster.wait_for_metric("cluster:local_prefills_total", lambda v: sum(v) > before, role="decode")
     assert sum(local) > before  # the saturated pool sent prompts to the decode replica...
