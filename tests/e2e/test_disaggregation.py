@@ -92,7 +92,7 @@ def test_a_saturated_prefill_pool_sends_prompts_to_the_decode_replica(cluster, m
     1 s), the prompts that follow are prefilled on the decode replica instead. Both paths serve,
     every output equals LLM.generate's, and no remote prefill fell back."""
     budget, max_tokens = 64, 4
-    flood = mixed_prompts(300, tuple(400 + 7 * i for i in range(24)), seed=31)
+    flood = mixed_prompts(300, tuple(850 + 3 * i for i in range(40)), seed=31)
     later = mixed_prompts(300, tuple(300 + 11 * i for i in range(16)), seed=32)
     llm = LLM(model_dir, block_size=16, max_num_batched_tokens=budget)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -101,8 +101,8 @@ def test_a_saturated_prefill_pool_sends_prompts_to_the_decode_replica(cluster, m
     cluster.deploy({"model": model_dir, "kv_transfer": "ipc", "local_prefill_queue_threshold": 1,
                     "max_num_batched_tokens": budget})
     before = sum(cluster.metric("cluster:local_prefills_total", role="decode"))
-    # the flood at once, then one prompt every 0.25 s while it queues at the prefill replica
-    delays = [0.0] * len(flood) + [0.25 * (i + 1) for i in range(len(later))]
+    # the flood at once, then one prompt every 0.2 s while it queues at the prefill replica
+    delays = [0.0] * len(flood) + [0.2 * (i + 1) for i in range(len(later))]
     got = asyncio.run(run_concurrently_prompts(cluster.base_url, model_name(model_dir), flood + later,
                                                {"temperature": 0.0}, max_tokens, len(delays), delays))
     assert got == expected[:len(got)] and len(got) == len(flood) + len(later)
