@@ -1,6 +1,7 @@
 """Speculative decoding against no speculation, greedy, on the embedded default model (SmolLM2,
 on the CPU, or on the GPU where there is one): per prompt class at batch 1, decode tokens per
-second of each method (``--methods``: ngram, draft_head) and without speculation (the anchor,
+second of each method (``--methods``: ngram, draft_head (``--speculative-model``, default the
+shipped head), draft_head_shipped (the shipped head, beside a new one)) and without speculation (the anchor,
 measured in the same run, the methods' order rotating prompt by prompt), tokens per engine step,
 drafts accepted, and whether the tokens are identical (they must be); with ``--batch B`` also
 all prompts at once in batches of B (output tokens per second of wall time, prefill included).
@@ -136,9 +137,9 @@ def main() -> None:
         kw: dict[str, Any] = {}
         if m == "ngram":
             kw = {"speculative_method": "ngram", "num_speculative_tokens": args.k}
-        elif m == "draft_head":
+        elif m in ("draft_head", "draft_head_shipped"):
             kw = {"speculative_method": "draft_head", "num_speculative_tokens": args.k_head,
-                  "speculative_model": head_path}
+                  "speculative_model": head_path if m == "draft_head" else None}
         llms[m] = LLM(model, max_num_seqs=max(8, args.batch), **kw)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=8)
@@ -214,7 +215,8 @@ def main() -> None:
         "methods": {m: {"num_speculative_tokens": e.model_config.num_speculative_tokens if m != "none" else 0,
                         **({"prompt_lookup": [e.model_config.prompt_lookup_min, e.model_config.prompt_lookup_max]}
                            if m == "ngram" else {}),
-                        **({"speculative_model": e.model_config.speculative_model or "shipped"} if m == "draft_head" else {})}
+                        **({"speculative_model": e.model_config.speculative_model or "shipped"}
+                           if m.startswith("draft_head") else {})}
                     for m, e in engines.items()},
         "fast_paths": {"device": str(engines["none"].device),
                        "cuda_graphs_captured": {m: e.runner.graph_status.captured for m, e in engines.items()},
@@ -224,7 +226,7 @@ def main() -> None:
                        "pipelined_verify_steps": {m: e.num_pipelined_verify_steps for m, e in engines.items()},
                        "verify_graph_steps": {m: e.runner.num_verify_graph_steps for m, e in engines.items()},
                        "verify_graphs": {m: e.runner.verify_graph_status.describe() for m, e in engines.items()
-                                         if m == "draft_head"},
+                                         if m.startswith("draft_head")},
                        "sync_steps": {m: e.num_sync_steps for m, e in engines.items()},
                        "graph_steps": {m: e.runner.num_graph_steps for m, e in engines.items()},
                        "eager_steps": {m: e.runner.num_eager_steps for m, e in engines.items()},

@@ -33,6 +33,7 @@ import glob
 import math
 import os
 import random
+import re
 import sys
 import time
 from typing import Any
@@ -45,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import environment, median, write_result  # noqa: E402
 from cluster.common.sampling_params import SamplingParams  # noqa: E402
 from cluster.engine.llm import LLM  # noqa: E402
-from cluster.models.draft_head import LlamaDraftHead, dense_hidden, head_metadata  # noqa: E402
+from cluster.models.draft_head import (LlamaDraftHead, default_draft_head_path, dense_hidden,  # noqa: E402
+                                       head_metadata, load_draft_head)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,6 +77,22 @@ FILE_TASKS = [
     "Rewrite the following more clearly:\n\n{p}", "Convert the key points of this text to a JSON list:\n\n{p}",
     "Add a docstring to this code and repeat it:\n\n{p}", "What are the main ideas here?\n\n{p}",
     "Translate this to simple English:\n\n{p}", "Repeat this text, fixing any typos:\n\n{p}",
+]
+#: Tasks over a passage of code (a .py file, cut at line starts): edits that repeat most of it.
+CODE_TASKS = [
+    "Add type hints to this Python code and return the full code:\n\n{p}",
+    "Add comments to this code and return all of it:\n\n{p}",
+    "Rename the variable {v} to {w} in this code and return all of it:\n\n{p}",
+    "Rewrite this code to be shorter and return it:\n\n{p}", "Write unit tests for this code:\n\n{p}",
+    "Find a bug in this code, if any, and show the fixed code:\n\n{p}",
+    "Convert this Python code to JavaScript:\n\n{p}", "Explain this code line by line:\n\n{p}",
+]
+#: Tasks over a passage of prose (a .md file, or a docstring-rich passage).
+TEXT_TASKS = [
+    "Summarise this passage in three sentences:\n\n{p}", "Rewrite this passage in simpler words:\n\n{p}",
+    "Make a bulleted list of the key points of this text:\n\n{p}", "Give this text a title and a one-line "
+    "summary:\n\n{p}", "Write three questions a reader might ask about this text, and answer them:\n\n{p}",
+    "Rewrite this text as an email to a colleague:\n\n{p}",
 ]
 
 
@@ -126,7 +144,8 @@ def build_prompts(tokenizer: Any, n: int, rng: random.Random, max_prompt: int,
     """``n`` (kind, prompt token ids): chats over random tables and JSON (``data_share`` of them),
     chats from templates, chats over file passages, raw completions."""
     topics = [t.strip() for t in TOPICS.split(";") if t.strip()]
-    texts = [open(f, encoding="utf-8", errors="replace").read() for f in corpus_files()]
+    files = [(f, open(f, encoding="utf-8", errors="replace").read()) for f in corpus_files()]
+    texts = [t for _, t in files]
     words = sorted({w for t in texts for w in t.split() if w.isalpha() and 3 <= len(w) <= 10})
     out: list[tuple[str, list[int]]] = []
     while len(out) < n:
@@ -142,10 +161,20 @@ def build_prompts(tokenizer: Any, n: int, rng: random.Random, max_prompt: int,
             msg = rng.choice(TASKS).format(t=rng.choice(topics), u=rng.choice(topics))
             out.append(("chat", tokenizer.encode_chat([{"role": "user", "content": msg}])))
         elif r < 0.75:
-            text = rng.choice(texts)
+            path, text = rng.choice(files)
             start = rng.randrange(max(1, len(text) - 400))
+            start = text.rfind("\n", 0, start) + 1  # passages start at a line
             passage = text[start:start + rng.randint(200, 1200)]
-            ids = tokenizer.encode_chat([{"role": "user", "content": rng.choice(FILE_TASKS).format(p=passage)}])
+            u = rng.random()
+            if u < 0.35:
+                task = rng.choice(FILE_TASKS)
+            elif path.endswith(".py"):
+                task = rng.choice(CODE_TASKS)
+            else:
+                task = rng.choice(TEXT_TASKS)
+            names = [w for w in set(re.findall(r"\b[a-z_][a-z0-9_]{2,}\b", passage))] or ["value"]
+            msg = task.format(p=passage, v=rng.choice(sorted(names)), w=rng.choice(words).lower())
+            ids = tokenizer.encode_chat([{"role": "user", "content": msg}])
             out.append(("chat_file", ids[-max_prompt:] if len(ids) > max_prompt else ids))
         elif r < 0.92:
             text = rng.choice(texts)
@@ -181,7 +210,8 @@ def generate(llm: LLM, prompts: list[tuple[str, list[int]]], rng: random.Random,
 
 
 def batches(seqs: list[dict[str, Any]], batch_tokens: int, rng: random.Random, pad: int):
-    """Endless shuffled batches of similar-length sequences, right-padded: (ids [B, L], lengths [B])."""
+    """Endless shuffled batches of similar-length sequences, right-padded: (ids [B, L], lengths [B],
+    prompt lengths [B])."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]["ids"]))
     groups, cur, width = [], [], 0
     for i in order:
@@ -200,7 +230,8 @@ def batches(seqs: list[dict[str, Any]], batch_tokens: int, rng: random.Random, p
             ids = torch.full((len(g), width), pad, dtype=torch.long)
             for row, i in enumerate(g):
                 ids[row, :len(seqs[i]["ids"])] = torch.tensor(seqs[i]["ids"])
-            yield ids, torch.tensor([len(seqs[i]["ids"]) for i in g])
+            yield (ids, torch.tensor([len(seqs[i]["ids"]) for i in g]),
+                   torch.tensor([seqs[i].get("prompt", 0) for i in g]))
 
 
 def shift_right(x: torch.Tensor) -> torch.Tensor:
@@ -209,9 +240,12 @@ def shift_right(x: torch.Tensor) -> torch.Tensor:
 
 
 def chain_losses(head: LlamaDraftHead, target: Any, lm_head: torch.Tensor, ids: torch.Tensor,
-                 lengths: torch.Tensor, k: int, train: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+                 lengths: torch.Tensor, k: int, train: bool, prompts: torch.Tensor | None = None,
+                 prompt_weight: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """(loss, per pass the [B, L] bool of top-1 agreement with the target, the [B, L] mask of
-    positions with a next token)."""
+    positions with a next token). Positions that predict a prompt token (``t < prompts - 1``)
+    weigh ``prompt_weight`` in the loss: serving drafts only answers, though the head still
+    reads the prompt (its KV) and learns from it."""
     with torch.no_grad():
         h = dense_hidden(target, ids)
         t_logits = F.linear(h, lm_head).float()
@@ -219,8 +253,12 @@ def chain_losses(head: LlamaDraftHead, target: Any, lm_head: torch.Tensor, ids: 
         t_top = t_logits.argmax(-1)
         del t_logits
         embeds = target.embed_tokens(ids)
-    mask = (torch.arange(ids.shape[1], device=ids.device)[None, :] < (lengths[:, None] - 1)).float()
-    denom = mask.sum().clamp(min=1.0)
+    pos = torch.arange(ids.shape[1], device=ids.device)[None, :]
+    mask = (pos < (lengths[:, None] - 1)).float()
+    weight = mask
+    if prompts is not None and prompt_weight != 1.0:
+        weight = mask * torch.where(pos < (prompts[:, None] - 1), prompt_weight, 1.0)
+    denom = weight.sum().clamp(min=1.0)
     hidden_in = shift_right(h)
     loss = torch.zeros((), device=ids.device)
     agree = []
@@ -230,7 +268,7 @@ def chain_losses(head: LlamaDraftHead, target: Any, lm_head: torch.Tensor, ids: 
             logits = F.linear(g.to(lm_head.dtype), lm_head).float()
         ce = -(p * logits.log_softmax(-1)).sum(-1)
         reg = F.smooth_l1_loss(g.float(), h.float(), reduction="none").mean(-1)
-        loss = loss + (0.8 ** j) * ((ce + 0.5 * reg) * mask).sum() / denom
+        loss = loss + (0.8 ** j) * ((ce + 0.5 * reg) * weight).sum() / denom
         agree.append((logits.argmax(-1) == t_top) & mask.bool())
         hidden_in = shift_right(g if train else g.detach())
     return loss, agree, mask.bool()
@@ -249,6 +287,33 @@ def tokens_per_step(agree: list[torch.Tensor], mask: torch.Tensor) -> dict[str, 
     pos_rate = [float(agree[j][mask].float().mean()) for j in range(k)]
     return {"tokens_per_step": 1.0 + float(accepted[valid].mean()) if valid.any() else 1.0,
             "top1_agreement_per_pass": [round(x, 4) for x in pos_rate]}
+
+
+def bench_prompt_eval(llm: LLM, heads: dict[str, LlamaDraftHead], target: Any, lm_head: torch.Tensor, k: int,
+                      dev: torch.device, max_tokens: int = 160) -> dict[str, Any]:
+    """Teacher-forced tokens per step on the answers the target gives greedily to the served
+    benchmark's prompts (bench/spec_decode.py's classes; never in the training data): the figure
+    closest to what bench/spec_decode_gpu.py will measure through the engine. One row per head in
+    ``heads`` (the new one, and the committed one to compare)."""
+    from bench.spec_decode import PROMPTS
+    names = [c for c, ps in PROMPTS.items() for _ in ps]
+    outs = llm.chat([[{"role": "user", "content": p}] for ps in PROMPTS.values() for p in ps],
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    result: dict[str, Any] = {}
+    for label, head in heads.items():
+        per: dict[str, list[float]] = {}
+        for name, o in zip(names, outs):
+            prompt = list(o.prompt_token_ids)
+            ids = torch.tensor([prompt + list(o.outputs[0].token_ids)], device=dev)
+            _, agree, mask = chain_losses(head, target, lm_head, ids, torch.tensor([ids.shape[1]], device=dev), k,
+                                          train=False)
+            mask[:, :max(0, len(prompt) - 1)] = False
+            if mask[:, k - 1:].any():
+                per.setdefault(name, []).append(tokens_per_step(agree, mask)["tokens_per_step"])
+        row = {c: round(sum(v) / len(v), 3) for c, v in per.items()}
+        row["mean"] = round(sum(x for v in per.values() for x in v) / max(1, sum(len(v) for v in per.values())), 3)
+        result[label] = row
+    return result
 
 
 def main() -> None:
@@ -273,6 +338,10 @@ def main() -> None:
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=True,
                     help="seeded sampling (reproducible data; slower: a generator per row and step)")
     ap.add_argument("--data-share", type=float, default=0.0, help="chats over random tables and JSON")
+    ap.add_argument("--baseline-head", default=default_draft_head_path("smollm2"),
+                    help="a head to evaluate beside the new one on the benchmark's prompts (default: the committed one)")
+    ap.add_argument("--prompt-weight", type=float, default=1.0,
+                    help="loss weight of positions that predict prompt tokens (answers weigh 1)")
     ap.add_argument("--kv-cache-gib", type=int, default=6, help="the generating engine's KV (the rest is training's)")
     ap.add_argument("--data", default=None, help="generated sequences: read if there, else written")
     ap.add_argument("--tiny", action="store_true", help="CPU, seconds: checks the script end to end")
@@ -326,9 +395,10 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
         for group in opt.param_groups:
             group["lr"] = lr
-        ids, lengths = next(data)
+        ids, lengths, prompt_lens = next(data)
         ts = time.monotonic()
-        loss, _, _ = chain_losses(head, target, lm_head, ids.to(dev), lengths.to(dev), args.k, train=True)
+        loss, _, _ = chain_losses(head, target, lm_head, ids.to(dev), lengths.to(dev), args.k, train=True,
+                                  prompts=prompt_lens.to(dev), prompt_weight=args.prompt_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -360,6 +430,11 @@ def main() -> None:
                  "tokens_per_step_k%d_mean" % args.k: round(sum(x["tokens_per_step"] for x in stats) / len(stats), 3),
                  "top1_agreement_per_pass_mean": [round(sum(x["top1_agreement_per_pass"][j] for x in stats) / len(stats), 4)
                                                   for j in range(args.k)]}
+        heads = {"trained": head}
+        if args.baseline_head and os.path.isfile(args.baseline_head):
+            heads["baseline"] = load_draft_head(args.baseline_head, target, target.args.num_layers, torch.float32, dev)
+        evals["bench_prompts_answer_tokens_per_step"] = bench_prompt_eval(
+            llm, heads, target, lm_head, args.k, dev, max_tokens=24 if args.tiny else 160)
     print("eval", evals, flush=True)
     training = {"steps": step, "seconds": round(time.monotonic() - t0, 1), "train_sequences": len(train),
                 "train_tokens": sum(len(s["ids"]) for s in train), "k": args.k, "lr": args.lr,
