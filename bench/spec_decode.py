@@ -126,6 +126,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from cluster import LLM, SamplingParams
+    from cluster.models.draft_head import default_draft_head_path
     head_path = args.speculative_model
     model = args.model
     if args.tiny:
@@ -139,7 +140,7 @@ def main() -> None:
             kw = {"speculative_method": "ngram", "num_speculative_tokens": args.k}
         elif m in ("draft_head", "draft_head_shipped"):
             kw = {"speculative_method": "draft_head", "num_speculative_tokens": args.k_head,
-                  "speculative_model": head_path if m == "draft_head" else None}
+                  "speculative_model": head_path if m == "draft_head" else default_draft_head_path("smollm2")}
         llms[m] = LLM(model, max_num_seqs=max(8, args.batch), **kw)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=8)
