@@ -292,6 +292,11 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         self.scheduler.cache_limit = self.runner.drafter.written_upto
         logger.info("draft head %s loaded (%d parameters, KV as layer %d of group %s)", path,
                     sum(p.numel() for p in head.parameters()), layers, self.kv_specs[0].name)
+        if self.device.type == "cpu" and not self.scheduler_config.prefill_only:
+            logger.warning("speculative_method='draft_head' on a CPU: each chained draft reads the whole "
+                           "vocabulary's LM head, which on a small model costs more than the accepted tokens save "
+                           "(SmolLM2 on 2 cores: 0.67x no speculation, ngram 1.13x; "
+                           "bench/results/spec-decode-cpu-2026-12-04.json)")
 
     def _init_scheduler_config(self, config: SchedulerConfig) -> SchedulerConfig:
         model_len = int(self.model.max_position_embeddings)

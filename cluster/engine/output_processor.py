@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from cluster.common.outputs import CompletionOutput, RequestOutput
 from cluster.engine.request import Request, RequestStatus
+from cluster.engine.spec_decode import SpecDecodeStats
 from cluster.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -67,6 +68,7 @@ class RequestGroup:
         metrics = {}
         if first.first_token_time is not None:
             metrics["ttft_s"] = first.first_token_time - first.arrival_time
+        metrics.update(SpecDecodeStats.request_metrics(self.samples))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              num_cached_tokens=max(0, first.num_cached_tokens), finished=self.finished,
                              error=failed[0].error if failed else None,

@@ -71,6 +71,12 @@ class Request:
     #: Draft tokens proposed to follow the request's tokens, verified by the next step
     #: (speculative decoding; see cluster.engine.spec_decode). Never part of its tokens.
     spec_token_ids: list[int] = field(default_factory=list)
+    #: This request's verify steps, draft tokens verified and accepted (per draft position too):
+    #: reported in its RequestOutput.metrics (``SpecDecodeStats.record``).
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
     #: Prefill role with a draft head: the target's hidden state at the prompt's last position
     #: (float32 bytes), handed to the decode worker with the first token.
     draft_hidden: bytes | None = None

@@ -140,17 +140,43 @@ class SpecDecodeStats:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * k
 
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def record(self, num_draft_tokens: int, num_accepted: int, request: Request | None = None) -> None:
+        """One verify step of ``num_draft_tokens`` drafts of which the first ``num_accepted`` were
+        right; counted for ``request`` too (its RequestOutput.metrics)."""
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
+        if request is not None:
+            request.num_verify_steps += 1
+            request.num_draft_tokens += num_draft_tokens
+            request.num_accepted_tokens += num_accepted
+            if len(request.accepted_per_pos) < num_accepted:
+                request.accepted_per_pos.extend([0] * (num_accepted - len(request.accepted_per_pos)))
+            for j in range(num_accepted):
+                request.accepted_per_pos[j] += 1
 
     @property
     def mean_accepted_length(self) -> float:
         """Tokens per verify step (accepted drafts plus the target's own token)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @staticmethod
+    def request_metrics(samples: list[Request]) -> dict[str, float]:
+        """A request's speculation, summed over its samples, as RequestOutput.metrics keys (empty
+        where none of them was verified): verify steps, draft tokens, accepted ones (in all and
+        per draft position) and the mean accepted length (tokens per verify step)."""
+        steps = sum(s.num_verify_steps for s in samples)
+        if not steps:
+            return {}
+        accepted = sum(s.num_accepted_tokens for s in samples)
+        out = {"spec_num_drafts": float(steps), "spec_num_draft_tokens": float(sum(s.num_draft_tokens for s in samples)),
+               "spec_num_accepted_tokens": float(accepted), "spec_mean_accepted_length": 1.0 + accepted / steps}
+        for j in range(max(len(s.accepted_per_pos) for s in samples)):
+            out[f"spec_num_accepted_tokens_pos{j}"] = float(sum(s.accepted_per_pos[j] for s in samples
+                                                                if j < len(s.accepted_per_pos)))
+        return out
 
     def counters(self) -> dict[str, float]:
         out = {"spec_decode_num_drafts_total": float(self.num_drafts),

@@ -174,7 +174,7 @@ class SpecPipelining:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted meanwhile: this step's tokens are dropped
             accepted = values[n * r + i]
-            self.spec_stats.record(k, accepted)
+            self.spec_stats.record(k, accepted, request)
             for token in values[i * r:i * r + accepted + 1]:
                 self._take_token(request, token, None)
                 if request.status is not RequestStatus.RUNNING:

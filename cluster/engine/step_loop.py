@@ -221,7 +221,7 @@ class StepLoop:
         logprobs = result.verified_logprobs.get(request.request_id) or [None] * len(targets)
         m = accepted_length(drafts, targets)
         assert self.spec_stats is not None
-        self.spec_stats.record(len(drafts), m)
+        self.spec_stats.record(len(drafts), m, request)
         taken = 0
         for token, lp in zip(targets[:m + 1], logprobs[:m + 1]):
             self._take_token(request, token, lp)
