@@ -172,8 +172,8 @@ def build_prompts(tokenizer: Any, n: int, rng: random.Random, max_prompt: int,
                 task = rng.choice(CODE_TASKS)
             else:
                 task = rng.choice(TEXT_TASKS)
-            names = [w for w in set(re.findall(r"\b[a-z_][a-z0-9_]{2,}\b", passage))] or ["value"]
-            msg = task.format(p=passage, v=rng.choice(sorted(names)), w=rng.choice(words).lower())
+            names = sorted(set(re.findall(r"\b[a-z_][a-z0-9_]{2,}\b", passage))) or ["value"]
+            msg = task.format(p=passage, v=rng.choice(names), w=rng.choice(words).lower())
             ids = tokenizer.encode_chat([{"role": "user", "content": msg}])
             out.append(("chat_file", ids[-max_prompt:] if len(ids) > max_prompt else ids))
         elif r < 0.92:
@@ -289,6 +289,16 @@ def tokens_per_step(agree: list[torch.Tensor], mask: torch.Tensor) -> dict[str, 
             "top1_agreement_per_pass": [round(x, 4) for x in pos_rate]}
 
 
+def answer_tokens_per_step(agree: list[torch.Tensor], mask: torch.Tensor, prompt_len: int) -> float | None:
+    """``tokens_per_step`` over the positions that predict the answer's tokens only (serving
+    drafts answers; the prompt's positions are prefilled), or None where too few of them."""
+    answer = mask.clone()
+    answer[:, :max(0, prompt_len - 1)] = False
+    if not answer[:, len(agree) - 1:].any():
+        return None
+    return tokens_per_step(agree, answer)["tokens_per_step"]
+
+
 def bench_prompt_eval(llm: LLM, heads: dict[str, LlamaDraftHead], target: Any, lm_head: torch.Tensor, k: int,
                       dev: torch.device, max_tokens: int = 160) -> dict[str, Any]:
     """Teacher-forced tokens per step on the answers the target gives greedily to the served
@@ -307,9 +317,9 @@ def bench_prompt_eval(llm: LLM, heads: dict[str, LlamaDraftHead], target: Any, l
             ids = torch.tensor([prompt + list(o.outputs[0].token_ids)], device=dev)
             _, agree, mask = chain_losses(head, target, lm_head, ids, torch.tensor([ids.shape[1]], device=dev), k,
                                           train=False)
-            mask[:, :max(0, len(prompt) - 1)] = False
-            if mask[:, k - 1:].any():
-                per.setdefault(name, []).append(tokens_per_step(agree, mask)["tokens_per_step"])
+            got = answer_tokens_per_step(agree, mask, len(prompt))
+            if got is not None:
+                per.setdefault(name, []).append(got)
         row = {c: round(sum(v) / len(v), 3) for c, v in per.items()}
         row["mean"] = round(sum(x for v in per.values() for x in v) / max(1, sum(len(v) for v in per.values())), 3)
         result[label] = row
@@ -418,14 +428,12 @@ def main() -> None:
             _, agree, mask = chain_losses(head, target, lm_head, ids, torch.tensor([ids.shape[1]], device=dev),
                                           args.k, train=False)
             stats.append(tokens_per_step(agree, mask))
-            answer = mask.clone()
-            answer[:, :max(0, s.get("prompt", 0) - 1)] = False  # positions that predict the answer's tokens
-            if answer[:, args.k - 1:].any():
-                outputs.append(tokens_per_step(agree, answer))
+            got = answer_tokens_per_step(agree, mask, s.get("prompt", 0))
+            if got is not None:
+                outputs.append(got)
         evals = {"held_out_greedy_sequences": len(held),
                  # what serving sees: drafts of the answer only (the prompt's positions are prefilled)
-                 "answer_tokens_per_step_k%d_mean" % args.k: round(sum(x["tokens_per_step"] for x in outputs)
-                                                                  / max(1, len(outputs)), 3),
+                 "answer_tokens_per_step_k%d_mean" % args.k: round(sum(outputs) / max(1, len(outputs)), 3),
                  "tokens_per_step_k%d_median" % args.k: round(median([x["tokens_per_step"] for x in stats]), 3),
                  "tokens_per_step_k%d_mean" % args.k: round(sum(x["tokens_per_step"] for x in stats) / len(stats), 3),
                  "top1_agreement_per_pass_mean": [round(sum(x["top1_agreement_per_pass"][j] for x in stats) / len(stats), 4)
