@@ -57,6 +57,12 @@ class ModelConfig:
     #: draft_head weights (a safetensors file from bench/train_draft_head.py); None: the head
     #: shipped for the model (cluster/models/draft_heads: "smollm2").
     speculative_model: str | None = None
+    #: draft_head's vocabulary (the tokens it may draft, from bench/draft_vocab.py): None: the
+    #: file next to the head's weights (``<head>.vocab.safetensors``) where there is one, else the
+    #: whole vocabulary; "full": the whole vocabulary; else a path. Drafting over the tokens the
+    #: model writes most costs a fraction of the whole LM head; outputs never change (the verify
+    #: step decides every token), acceptance only by the answer tokens outside the set.
+    speculative_draft_vocab: str | None = None
     #: dspark: a block's drafts stop at the first whose confidence head gives it less than this
     #: chance of acceptance (sigmoid); 0 (default): every block verifies all its drafts.
     dspark_confidence_threshold: float = 0.0

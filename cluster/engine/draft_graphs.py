@@ -95,13 +95,13 @@ class DraftHeadGraphs:
         hidden = self.first_hidden[:n]
         g = d.head.draft(self.first_ids[:n], hidden, ctx)
         g = g.index_select(0, self.last_rows[:size])
-        token = d.head.draft_logits(g).argmax(dim=-1)
+        token = d.head.draft_tokens(g)
         drafts = [token]
         for j in range(self.k - 1):
             ctx = self._context(self.chain_positions[j, :size], self.chain_seq_lens[j, :size], tables,
                                 self.chain_slots[j, :size])
             g = d.head.draft(token, g, ctx)
-            token = d.head.draft_logits(g).argmax(dim=-1)
+            token = d.head.draft_tokens(g)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 

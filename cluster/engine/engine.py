@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -35,7 +36,8 @@ from cluster.engine.spec_decode import Proposer, SpecDecodeStats, make_proposer
 from cluster.engine.spec_pipeline import InFlightVerify, SpecPipelining
 from cluster.engine.step_loop import StepLoop
 from cluster.common.kv_spec import KVGroupSpec
-from cluster.models.draft_head import DEFAULT_DRAFT_HEADS, HeadDrafter, default_draft_head_path, load_draft_head
+from cluster.models.draft_head import (DEFAULT_DRAFT_HEADS, HeadDrafter, default_draft_head_path, draft_vocab_path,
+                                       load_draft_head, load_draft_vocab)
 from cluster.models.ops import REFERENCE_OPS
 from cluster.models.registry import LoadedModel, load_model
 
@@ -286,15 +288,25 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
                 param="speculative_model")
         layers = self.kv_specs[0].num_layers - 1
         head = load_draft_head(path, self.model, layers, self.dtype, self.device, getattr(self.model, "ops", REFERENCE_OPS))
-        self.runner.drafter = DraftHeadRunner(HeadDrafter(head, self.model), self.runner.kv_caches,
-                                              self.cache_config.block_size, self.device)
+        vocab_setting = self.model_config.speculative_draft_vocab
+        vocab_path = draft_vocab_path(path) if vocab_setting is None else vocab_setting
+        vocab_ids = None
+        if vocab_setting != "full" and (vocab_setting is not None or os.path.isfile(vocab_path)):
+            vocab_ids = load_draft_vocab(vocab_path, int(self.model.vocab_size))
+        drafter = HeadDrafter(head, self.model, vocab_ids)
+        self.runner.drafter = DraftHeadRunner(drafter, self.runner.kv_caches, self.cache_config.block_size, self.device)
         # a block enters the prefix cache once the head's layer of it is written too
         self.scheduler.cache_limit = self.runner.drafter.written_upto
-        logger.info("draft head %s loaded (%d parameters, KV as layer %d of group %s)", path,
-                    sum(p.numel() for p in head.parameters()), layers, self.kv_specs[0].name)
-        if self.device.type == "cpu" and not self.scheduler_config.prefill_only:
-            logger.warning("speculative_method='draft_head' on a CPU: each chained draft reads the whole "
-                           "vocabulary's LM head, which on a small model costs more than the accepted tokens save "
+        vocab = (f"a draft vocabulary of {drafter.vocab_ids.numel()} of {drafter.vocab_size} tokens ({vocab_path})"
+                 if drafter.vocab_ids is not None else f"the whole vocabulary ({drafter.vocab_size} tokens)")
+        logger.info("draft head %s loaded (%d parameters, KV as layer %d of group %s), drafting over %s", path,
+                    sum(p.numel() for p in head.parameters()), layers, self.kv_specs[0].name, vocab)
+        if vocab_ids is not None and drafter.vocab_ids is None:
+            logger.warning("draft vocabulary %s not applied: the model's LM head is 4-bit (no row subset of it); "
+                           "drafting over the whole vocabulary", vocab_path)
+        if self.device.type == "cpu" and not self.scheduler_config.prefill_only and drafter.vocab_ids is None:
+            logger.warning("speculative_method='draft_head' on a CPU over the whole vocabulary: each chained draft "
+                           "reads the whole LM head, which on a small model costs more than the accepted tokens save "
                            "(SmolLM2 on 2 cores: 0.67x no speculation, ngram 1.13x; "
                            "bench/results/spec-decode-cpu-2026-12-04.json)")
 

@@ -50,3 +50,6 @@ class MTPDrafter:
 
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         return self.target.head_logits(self.module.collapse(g.view(g.shape[0], self.hc_mult, self.hidden_size)))
+
+    def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
+        return self.draft_logits(g).argmax(dim=-1)

@@ -28,6 +28,7 @@ from cluster.models.context import ForwardContext
 from cluster.models.layers import Linear, RMSNorm
 from cluster.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM
 from cluster.models.ops import REFERENCE_OPS, Ops
+from kernels.cpu_quant import Q8Weight, linear_q8
 from kernels.norm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref, rope_cos_sin, rope_inv_freq
 
@@ -35,6 +36,7 @@ from kernels.rotary import apply_rotary_ref, rope_cos_sin, rope_inv_freq
 DRAFT_HEAD_DIR = os.path.join(os.path.dirname(__file__), "draft_heads")
 DEFAULT_DRAFT_HEADS = {"smollm2": "smollm2-135m-instruct.safetensors"}
 FORMAT = "pd-cluster-draft-head/1"
+VOCAB_FORMAT = "pd-cluster-draft-vocab/1"
 
 
 class LlamaDraftHead(nn.Module):
@@ -94,7 +96,8 @@ class Drafter(Protocol):
     reads a token and the target's hidden state one position earlier (a row of ``width`` values of
     ``dtype``), writes its KV (in the target's KV groups) and returns its own hidden state of the
     same width, which stands in for the target's when it is chained; ``draft_logits`` turns that
-    into the next token's logits. ``module`` holds its parameters; ``ops`` its kernels."""
+    into the next token's logits, ``draft_tokens`` into the drafted token. ``module`` holds its
+    parameters; ``ops`` its kernels."""
 
     width: int
     dtype: torch.dtype
@@ -106,23 +109,63 @@ class Drafter(Protocol):
 
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor: ...
 
+    def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
+        """Each row's drafted token (greedy: the argmax over the tokens it may draft)."""
+        ...
+
 
 class HeadDrafter:
-    """A LlamaDraftHead over its target: the target's embedding and LM head, shared."""
+    """A LlamaDraftHead over its target: the target's embedding and LM head, shared. With
+    ``vocab_ids`` (a draft vocabulary: ``load_draft_vocab``) drafts are the argmax over those
+    rows of the LM head only (a copy of them: int8 where the target's logits run on the CPU int8
+    kernel, else the model's dtype)."""
 
-    def __init__(self, head: "LlamaDraftHead", target: LlamaForCausalLM) -> None:
+    def __init__(self, head: "LlamaDraftHead", target: LlamaForCausalLM,
+                 vocab_ids: torch.Tensor | None = None) -> None:
         self.module = head
         self.target = target
         self.width = int(head.args.hidden_size)
         self.dtype = head.fc.weight.dtype
         self.vocab_size = int(target.vocab_size)
         self.ops: Ops = getattr(target, "ops", REFERENCE_OPS)
+        self.vocab_ids: torch.Tensor | None = None
+        self._q8: Q8Weight | None = None
+        self._rows: torch.Tensor | None = None
+        if vocab_ids is not None:
+            self._restrict(vocab_ids)
+
+    def _restrict(self, vocab_ids: torch.Tensor) -> None:
+        target = self.target
+        q8 = getattr(target, "quantized_logits", None)
+        lm_head = target.lm_head
+        if q8 is not None:
+            ids = vocab_ids.to(q8.codes.device)
+            self._q8 = Q8Weight(q8.codes.index_select(0, ids).contiguous(), q8.scales.index_select(0, ids).contiguous(),
+                                None if q8.dense is None else q8.dense.index_select(0, ids).contiguous())
+        elif lm_head is not None and lm_head.quantized is not None:
+            return  # a 4-bit LM head: no row subset of it here; the whole vocabulary it is
+        else:
+            weight = target.embed_tokens.weight if lm_head is None else lm_head.weight
+            self._rows = weight.index_select(0, vocab_ids.to(weight.device)).contiguous()
+        self.vocab_ids = vocab_ids.to(self._q8.codes.device if self._q8 is not None else self._rows.device)  # type: ignore[union-attr]
 
     def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.module(self.target.embed_tokens(input_ids).to(hidden.dtype), hidden, ctx)
 
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(g)
+
+    def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
+        """The drafted token of each row of ``g [N, H]``: the argmax of its logits over the draft
+        vocabulary (the whole one without a ``vocab_ids``)."""
+        if self.vocab_ids is None:
+            return self.draft_logits(g).argmax(dim=-1)
+        if self._q8 is not None:
+            logits = linear_q8(g, self._q8)
+        else:
+            assert self._rows is not None
+            logits = nn.functional.linear(g.to(self._rows.dtype), self._rows)
+        return self.vocab_ids.index_select(0, logits.argmax(dim=-1))
 
 
 def dense_decoder_layer(layer: LlamaDecoderLayer, args: LlamaArgs, x: torch.Tensor, cos: torch.Tensor,
@@ -175,6 +218,37 @@ def head_metadata(args: LlamaArgs, target: str, **extra: Any) -> dict[str, str]:
 def default_draft_head_path(model: str) -> str | None:
     name = DEFAULT_DRAFT_HEADS.get(model)
     return None if name is None else os.path.join(DRAFT_HEAD_DIR, name)
+
+
+def draft_vocab_path(head_path: str) -> str:
+    """Where the vocabulary of the head at ``head_path`` lives (``<head>.vocab.safetensors``)."""
+    return head_path.removesuffix(".safetensors") + ".vocab.safetensors"
+
+
+def load_draft_vocab(path: str, vocab_size: int) -> torch.Tensor:
+    """A draft vocabulary written by bench/draft_vocab.py: its ``token_ids`` (int64, distinct, each
+    below ``vocab_size``, which it must have been counted for)."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"draft vocabulary {path!r} does not exist", param="speculative_draft_vocab")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            ids = f.get_tensor("token_ids") if "token_ids" in set(f.keys()) else None
+    except Exception as exc:  # noqa: BLE001 - a corrupt file is a load error
+        raise ModelLoadError(f"draft vocabulary {path!r} cannot be read: {exc}", param="speculative_draft_vocab") from exc
+    if meta.get("format") != VOCAB_FORMAT or ids is None:
+        raise ModelLoadError(f"{path!r} is not a draft vocabulary (format {meta.get('format')!r}, want "
+                             f"{VOCAB_FORMAT!r}, with token_ids)", param="speculative_draft_vocab")
+    if meta.get("vocab_size") != str(vocab_size):
+        raise ModelLoadError(f"draft vocabulary {path!r} was counted for vocab_size={meta.get('vocab_size')}, the "
+                             f"model has {vocab_size}", param="speculative_draft_vocab")
+    ids = ids.to(torch.int64).flatten()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size or ids.unique().numel() != ids.numel():
+        raise ModelLoadError(f"draft vocabulary {path!r}: token_ids must be distinct ids in [0, {vocab_size})",
+                             param="speculative_draft_vocab")
+    return ids
 
 
 def load_draft_head(path: str, target: Any, kv_layer: int, dtype: torch.dtype, device: torch.device,
