@@ -1,7 +1,8 @@
 """Speculative decoding against no speculation, greedy, on the embedded default model (SmolLM2,
 on the CPU, or on the GPU where there is one): per prompt class at batch 1, decode tokens per
 second of each method (``--methods``: ngram, draft_head (``--speculative-model``, default the
-shipped head), draft_head_shipped (the shipped head, beside a new one)) and without speculation (the anchor,
+shipped head, with the draft vocabulary beside it), draft_head_shipped (the shipped head, beside a
+new one), draft_head_full_vocab (the head drafting over the whole vocabulary)) and without speculation (the anchor,
 measured in the same run, the methods' order rotating prompt by prompt), tokens per engine step,
 drafts accepted, and whether the tokens are identical (they must be); with ``--batch B`` also
 all prompts at once in batches of B (output tokens per second of wall time, prefill included).
@@ -75,6 +76,12 @@ PROMPTS: dict[str, list[str]] = {
 }
 
 
+def _draft_vocab_size(engine: Any) -> int:
+    """The tokens a draft head engine may draft (its draft vocabulary, else the whole one)."""
+    head = engine.runner.drafter.head
+    return int(head.vocab_ids.numel()) if head.vocab_ids is not None else int(head.vocab_size)
+
+
 def tiny_model() -> tuple[str, str]:
     """A small random Llama checkpoint and a random draft head for it."""
     import torch
@@ -138,9 +145,11 @@ def main() -> None:
         kw: dict[str, Any] = {}
         if m == "ngram":
             kw = {"speculative_method": "ngram", "num_speculative_tokens": args.k}
-        elif m in ("draft_head", "draft_head_shipped"):
+        elif m in ("draft_head", "draft_head_shipped", "draft_head_full_vocab"):
             kw = {"speculative_method": "draft_head", "num_speculative_tokens": args.k_head,
-                  "speculative_model": head_path if m == "draft_head" else default_draft_head_path("smollm2")}
+                  "speculative_model": default_draft_head_path("smollm2") if m == "draft_head_shipped" else head_path}
+            if m == "draft_head_full_vocab":  # the head without its draft vocabulary
+                kw["speculative_draft_vocab"] = "full"
         llms[m] = LLM(model, max_num_seqs=max(8, args.batch), **kw)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=8)
@@ -216,8 +225,8 @@ def main() -> None:
         "methods": {m: {"num_speculative_tokens": e.model_config.num_speculative_tokens if m != "none" else 0,
                         **({"prompt_lookup": [e.model_config.prompt_lookup_min, e.model_config.prompt_lookup_max]}
                            if m == "ngram" else {}),
-                        **({"speculative_model": e.model_config.speculative_model or "shipped"}
-                           if m.startswith("draft_head") else {})}
+                        **({"speculative_model": e.model_config.speculative_model or "shipped",
+                            "draft_vocab_size": _draft_vocab_size(e)} if m.startswith("draft_head") else {})}
                     for m, e in engines.items()},
         "fast_paths": {"device": str(engines["none"].device),
                        "cuda_graphs_captured": {m: e.runner.graph_status.captured for m, e in engines.items()},

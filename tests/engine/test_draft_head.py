@@ -4,7 +4,8 @@ own greedy text (so its drafts are often right) the output equals decoding witho
 token for token, through chunked prefill, prefix caching, preemption, n samples, penalties,
 stop strings, logprobs and aborts, with every block freed. The committed SmolLM2 head gives real
 acceptance; bad head files and models it cannot serve are refused by name; a prefill engine
-hands the head's state to decode, which then recomputes nothing of the prompt."""
+hands the head's state to decode, which then recomputes nothing of the prompt. A draft vocabulary
+(the tokens the head may draft) changes drafts, never output, and bad ones are refused."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from safetensors.torch import save_file
 from cluster import LLM, SamplingParams
 from cluster.common.errors import ModelLoadError, UnsupportedSettingError
 from cluster.engine.draft_runner import DraftHeadRunner
-from cluster.models.draft_head import LlamaDraftHead, dense_hidden, head_metadata
+from cluster.models.draft_head import VOCAB_FORMAT, LlamaDraftHead, dense_hidden, draft_vocab_path, head_metadata
 from tests.factories import engine_logits, generate_disaggregated, local_pd_workers, make_checkpoint, mixed_prompts, \
     output_summary, run_with_aborts
 
@@ -190,6 +191,9 @@ def test_the_committed_smollm2_head_drafts_real_text():
     assert stats.num_drafts > 10
     assert stats.accepted_per_pos[0] > 0.5 * stats.num_drafts, stats.counters()
     assert stats.mean_accepted_length > 1.7, stats.counters()
+    head = llm.engine.runner.drafter.head
+    assert head.vocab_ids is not None and head.vocab_ids.numel() == 8192  # the vocabulary shipped beside it
+    assert head._q8 is not None  # drafted through the int8 logits kernel, over its rows only
 
 
 # --- refusals ---------------------------------------------------------------------------------------
@@ -370,3 +374,92 @@ def test_a_block_is_cached_only_once_the_head_has_written_it(tiny):
             checked += 1
     assert checked > 20 and lagged > 0  # the rule was exercised
     assert engine.kv.usage == 0.0
+
+
+# --- the draft vocabulary ---------------------------------------------------------------------------
+
+def save_vocab(path: str, ids: list[int], vocab_size: int, meta: dict[str, str] | None = None) -> str:
+    save_file({"token_ids": torch.tensor(ids, dtype=torch.int64)}, path,
+              metadata={"format": VOCAB_FORMAT, "vocab_size": str(vocab_size), **(meta or {})})
+    return path
+
+
+def frequent_ids(tiny, share: float) -> tuple[list[int], int]:
+    """The ids the tiny model writes most (greedy, on the head's training prompts), the top
+    ``share`` of those it writes at all, and its vocabulary size."""
+    llm = LLM(tiny[0], block_size=4)
+    outs = llm.generate(train_prompts()[:40], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    counts: dict[int, int] = {}
+    for o in outs:
+        for t in o.outputs[0].token_ids:
+            counts[t] = counts.get(t, 0) + 1
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))
+    return ranked[:max(1, int(len(ranked) * share))], int(llm.engine.model.args.vocab_size)
+
+
+def test_a_draft_vocabulary_changes_drafts_not_output(tiny, tmp_path):
+    """Drafting over the tokens the model writes most: every draft is one of them, the argmax of
+    the full logits over those rows; the output equals decoding without speculation (greedy,
+    seeded, n samples); acceptance stays; a vocabulary next to the head loads by itself and
+    "full" turns it off."""
+    ids, vocab_size = frequent_ids(tiny, 0.6)
+    path = save_vocab(str(tmp_path / "v.safetensors"), ids, vocab_size)
+    prompts = train_prompts()[:6] + mixed_prompts(300, (7,), seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=24, n=2, ignore_eos=True)]
+    params = [params[i % 2] for i in range(len(prompts))]
+    want = summary(LLM(tiny[0], block_size=4).generate(prompts, params))
+    llm = head_llm(tiny, speculative_draft_vocab=path)
+    head = llm.engine.runner.drafter.head
+    assert head.vocab_ids is not None and head.vocab_ids.tolist() == ids
+    drafted: list[int] = []
+    real = head.draft_tokens
+
+    def spied(g):
+        tokens = real(g)
+        full = head.draft_logits(g)
+        allowed = torch.tensor(ids)
+        assert torch.equal(tokens, allowed[full[:, allowed].argmax(dim=-1)])  # the argmax over the subset
+        drafted.extend(tokens.tolist())
+        return tokens
+    head.draft_tokens = spied
+    assert summary(llm.generate(prompts, params)) == want
+    assert drafted and set(drafted) <= set(ids)
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens > max(10, 0.05 * stats.num_draft_tokens), stats.counters()
+    assert llm.engine.kv.usage == 0.0 and not llm.engine.runner.drafter.states
+
+    # beside the head: loaded by default; "full" drafts over everything
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    head_path = str(beside / "head.safetensors")
+    with open(tiny[1], "rb") as src, open(head_path, "wb") as dst:
+        dst.write(src.read())
+    save_vocab(draft_vocab_path(head_path), ids, vocab_size)
+    auto = LLM(tiny[0], block_size=4, speculative_method="draft_head", speculative_model=head_path)
+    assert auto.engine.runner.drafter.head.vocab_ids.tolist() == ids
+    full = LLM(tiny[0], block_size=4, speculative_method="draft_head", speculative_model=head_path,
+               speculative_draft_vocab="full")
+    assert full.engine.runner.drafter.head.vocab_ids is None
+    assert summary(full.generate(prompts[:2], params[:2])) == want[:2]
+
+
+def test_bad_draft_vocabularies_are_refused(tiny, tmp_path):
+    ids, vocab_size = frequent_ids(tiny, 0.5)
+    cases = {
+        "does not exist": None,
+        "not a draft vocabulary": {"format": "something/1"},
+        "counted for vocab_size": {"vocab_size": str(vocab_size + 1)},
+        "distinct ids": "dup",
+        "in \\[0": "range",
+    }
+    for match, bad in cases.items():
+        path = str(tmp_path / f"{len(match)}.safetensors")
+        if bad == "dup":
+            save_vocab(path, ids + ids[:1], vocab_size)
+        elif bad == "range":
+            save_vocab(path, ids + [vocab_size], vocab_size)
+        elif isinstance(bad, dict):
+            save_vocab(path, ids, vocab_size, bad)
+        with pytest.raises(ModelLoadError, match=match):
+            head_llm(tiny, speculative_draft_vocab=path)
