@@ -11,11 +11,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.common.errors import ErrorKind
 from cluster.common.outputs import FinishReason, PositionLogprobs
 from cluster.common.sampling_params import SamplingParams
 from cluster.common.block_hash import hash_token_blocks
+
+if TYPE_CHECKING:
+    from cluster.engine.spec_decode import SpecDecodeStats
 
 
 class RequestStatus(enum.Enum):
@@ -71,12 +75,10 @@ class Request:
     #: Draft tokens proposed to follow the request's tokens, verified by the next step
     #: (speculative decoding; see cluster.engine.spec_decode). Never part of its tokens.
     spec_token_ids: list[int] = field(default_factory=list)
-    #: This request's verify steps, draft tokens verified and accepted (per draft position too):
-    #: reported in its RequestOutput.metrics (``SpecDecodeStats.record``).
-    num_verify_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
+    #: This request's speculation (verify steps, draft tokens, accepted ones in all and per draft
+    #: position), counted by the engine's ``SpecDecodeStats.record``; None until its first verify
+    #: step. Reported in its RequestOutput.metrics.
+    spec_stats: SpecDecodeStats | None = None
     #: Prefill role with a draft head: the target's hidden state at the prompt's last position
     #: (float32 bytes), handed to the decode worker with the first token.
     draft_hidden: bytes | None = None

@@ -142,20 +142,19 @@ class SpecDecodeStats:
 
     def record(self, num_draft_tokens: int, num_accepted: int, request: Request | None = None) -> None:
         """One verify step of ``num_draft_tokens`` drafts of which the first ``num_accepted`` were
-        right; counted for ``request`` too (its RequestOutput.metrics)."""
+        right; counted for ``request`` too (its ``spec_stats``: its RequestOutput.metrics)."""
+        self._count(num_draft_tokens, num_accepted)
+        if request is not None:
+            if request.spec_stats is None:
+                request.spec_stats = SpecDecodeStats(len(self.accepted_per_pos))
+            request.spec_stats._count(num_draft_tokens, num_accepted)
+
+    def _count(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
-        if request is not None:
-            request.num_verify_steps += 1
-            request.num_draft_tokens += num_draft_tokens
-            request.num_accepted_tokens += num_accepted
-            if len(request.accepted_per_pos) < num_accepted:
-                request.accepted_per_pos.extend([0] * (num_accepted - len(request.accepted_per_pos)))
-            for j in range(num_accepted):
-                request.accepted_per_pos[j] += 1
 
     @property
     def mean_accepted_length(self) -> float:
@@ -166,16 +165,18 @@ class SpecDecodeStats:
     def request_metrics(samples: list[Request]) -> dict[str, float]:
         """A request's speculation, summed over its samples, as RequestOutput.metrics keys (empty
         where none of them was verified): verify steps, draft tokens, accepted ones (in all and
-        per draft position) and the mean accepted length (tokens per verify step)."""
-        steps = sum(s.num_verify_steps for s in samples)
-        if not steps:
+        per draft position that accepted any) and the mean accepted length (tokens per verify step)."""
+        stats = [s.spec_stats for s in samples if s.spec_stats is not None and s.spec_stats.num_drafts]
+        if not stats:
             return {}
-        accepted = sum(s.num_accepted_tokens for s in samples)
-        out = {"spec_num_drafts": float(steps), "spec_num_draft_tokens": float(sum(s.num_draft_tokens for s in samples)),
+        steps = sum(s.num_drafts for s in stats)
+        accepted = sum(s.num_accepted_tokens for s in stats)
+        out = {"spec_num_drafts": float(steps), "spec_num_draft_tokens": float(sum(s.num_draft_tokens for s in stats)),
                "spec_num_accepted_tokens": float(accepted), "spec_mean_accepted_length": 1.0 + accepted / steps}
-        for j in range(max(len(s.accepted_per_pos) for s in samples)):
-            out[f"spec_num_accepted_tokens_pos{j}"] = float(sum(s.accepted_per_pos[j] for s in samples
-                                                                if j < len(s.accepted_per_pos)))
+        for j in range(max(len(s.accepted_per_pos) for s in stats)):
+            n = sum(s.accepted_per_pos[j] for s in stats if j < len(s.accepted_per_pos))
+            if n:
+                out[f"spec_num_accepted_tokens_pos{j}"] = float(n)
         return out
 
     def counters(self) -> dict[str, float]:
