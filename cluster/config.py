@@ -17,6 +17,12 @@ TransferBackendName = Literal["auto", "ipc", "nixl", "nccl", "local"]
 SpeculativeMethod = Literal["none", "ngram", "draft_head", "mtp", "dspark"]
 #: The most draft tokens one verify step checks.
 MAX_SPECULATIVE_TOKENS = 16
+#: num_speculative_tokens where it is not set, by device type. On a CPU a verify step's 1 + k rows
+#: go through the 4-bit projection kernel, whose cost jumps from 4 rows to 5: SmolLM2 on 2 cores
+#: gained more at k=3 than at k=4 with both draft sources (bench/results/spec-decode-cpu-2026-12-04-k3.json
+#: against -vocab.json: n-gram 1.22x against 1.13x, the draft head 1.08x against 0.82x). On a GPU
+#: the draft head gained more at k=4 (spec-decode-smollm2-h200-2026-12-04-vocab-k4.json, -k3.json).
+DEFAULT_SPECULATIVE_TOKENS = {"cpu": 3, "cuda": 4}
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,9 @@ class ModelConfig:
     #: layer, the same way); "dspark" (DeepSeek-V4-Flash-0731 / V4.1's DSpark drafter: one block of
     #: up to dspark_block_size drafts per step; its state travels in the KV blocks).
     speculative_method: SpeculativeMethod = "none"
-    #: Draft tokens proposed per step (k): each verify step computes 1 + k positions.
-    num_speculative_tokens: int = 4
+    #: Draft tokens proposed per step (k): each verify step computes 1 + k positions. None: 4 on
+    #: a GPU, 3 on a CPU (DEFAULT_SPECULATIVE_TOKENS; the engine resolves it).
+    num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     #: draft_head weights (a safetensors file from bench/train_draft_head.py); None: the head
@@ -76,8 +83,8 @@ class ModelConfig:
             raise UnsupportedSettingError(
                 f"dspark_confidence_threshold must be in [0, 1), got {self.dspark_confidence_threshold}",
                 param="dspark_confidence_threshold")
-        _positive("num_speculative_tokens", self.num_speculative_tokens)
-        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        _positive("num_speculative_tokens", self.num_speculative_tokens, allow_none=True)
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise UnsupportedSettingError(
                 f"num_speculative_tokens={self.num_speculative_tokens} exceeds {MAX_SPECULATIVE_TOKENS}",
                 param="num_speculative_tokens")
@@ -384,6 +391,13 @@ def _coerce(key: str, raw: Any, hint: Any) -> Any:
         raise UnsupportedSettingError(
             f"{key}={raw!r} is not a valid {getattr(target, '__name__', target)}", param=key) from None
     return raw
+
+
+def resolve_speculative_tokens(config: ModelConfig, device_type: str) -> ModelConfig:
+    """``config`` with ``num_speculative_tokens`` set: its own, else the device type's default."""
+    if config.num_speculative_tokens is not None:
+        return config
+    return dataclasses.replace(config, num_speculative_tokens=DEFAULT_SPECULATIVE_TOKENS.get(device_type, 4))
 
 
 def _positive(name: str, value: int | float | None, *, allow_none: bool = False,

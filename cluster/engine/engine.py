@@ -22,7 +22,7 @@ import torch
 
 from cluster.common.errors import UnsupportedSettingError
 from cluster.common.outputs import PositionLogprobs, RequestOutput
-from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
+from cluster.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_speculative_tokens
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.cuda_graphs import GraphStatus
 from cluster.engine.draft_runner import DraftHeadRunner
@@ -89,9 +89,10 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, loaded: LoadedModel | None = None,
                  kv_allocator: KVAllocator | None = None) -> None:
-        self.model_config = model_config
         self.cache_config = cache_config
         self.device = resolve_device(model_config.device)
+        model_config = resolve_speculative_tokens(model_config, self.device.type)
+        self.model_config = model_config
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(model_config.seed)
         #: Seconds spent starting up, by phase (bench/startup_gpu.py and bench/gpucheck.py report them).

@@ -334,6 +334,18 @@ def test_seeded_requests_equal_their_non_speculative_output_exactly(tiny_vocab_d
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
+def test_the_default_k_follows_the_device(model_dir):
+    """num_speculative_tokens unset: 3 on a CPU (a verify step's 4 rows, the CPU 4-bit kernel's
+    cheapest batch past one), 4 on a GPU; set, it is kept."""
+    from cluster.config import DEFAULT_SPECULATIVE_TOKENS, ModelConfig, resolve_speculative_tokens
+    assert LLM(model_dir, block_size=4, speculative_method="ngram").engine.model_config.num_speculative_tokens == 3
+    assert LLM(model_dir, block_size=4, speculative_method="ngram",
+               num_speculative_tokens=5).engine.model_config.num_speculative_tokens == 5
+    assert resolve_speculative_tokens(ModelConfig(), "cuda").num_speculative_tokens == DEFAULT_SPECULATIVE_TOKENS["cuda"] == 4
+    with pytest.raises(UnsupportedSettingError, match="num_speculative_tokens"):
+        ModelConfig(num_speculative_tokens=0)
+
+
 def test_prefill_engines_never_draft(model_dir):
     from cluster.config import CacheConfig, ModelConfig, SchedulerConfig
     from cluster.engine.engine import LLMEngine
