@@ -36,6 +36,7 @@ from cluster.engine.spec_decode import Proposer, SpecDecodeStats, make_proposer
 from cluster.engine.spec_pipeline import InFlightVerify, SpecPipelining
 from cluster.engine.step_loop import StepLoop
 from cluster.common.kv_spec import KVGroupSpec
+from cluster.models.cpu_quant import quantize_float_linears
 from cluster.models.draft_head import (DEFAULT_DRAFT_HEADS, HeadDrafter, default_draft_head_path, draft_vocab_path,
                                        load_draft_head, load_draft_vocab)
 from cluster.models.ops import REFERENCE_OPS
@@ -289,6 +290,9 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
                 param="speculative_model")
         layers = self.kv_specs[0].num_layers - 1
         head = load_draft_head(path, self.model, layers, self.dtype, self.device, getattr(self.model, "ops", REFERENCE_OPS))
+        quantized = 0
+        if self.device.type == "cpu" and getattr(self.model, "cpu_decode", None) is not None:
+            quantized = quantize_float_linears(head)  # the head's projections as the target's: 4-bit
         vocab_setting = self.model_config.speculative_draft_vocab
         vocab_path = draft_vocab_path(path) if vocab_setting is None else vocab_setting
         vocab_ids = None
@@ -300,8 +304,9 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         self.scheduler.cache_limit = self.runner.drafter.written_upto
         vocab = (f"a draft vocabulary of {drafter.vocab_ids.numel()} of {drafter.vocab_size} tokens ({vocab_path})"
                  if drafter.vocab_ids is not None else f"the whole vocabulary ({drafter.vocab_size} tokens)")
-        logger.info("draft head %s loaded (%d parameters, KV as layer %d of group %s), drafting over %s", path,
-                    sum(p.numel() for p in head.parameters()), layers, self.kv_specs[0].name, vocab)
+        logger.info("draft head %s loaded (%d parameters, KV as layer %d of group %s%s), drafting over %s", path,
+                    sum(p.numel() for p in head.parameters()), layers, self.kv_specs[0].name,
+                    f", {quantized} projections in the CPU int4 kernel's format" if quantized else "", vocab)
         if vocab_ids is not None and drafter.vocab_ids is None:
             logger.warning("draft vocabulary %s not applied: the model's LM head is 4-bit (no row subset of it); "
                            "drafting over the whole vocabulary", vocab_path)

@@ -91,6 +91,29 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def quantize_float_linears(module: nn.Module) -> int:
+    """Round every float projection of ``module`` (a draft head over a quantized target) to the
+    CPU int4 kernel's format, as a GGUF file's Q4_1 would hold it: per group of 32 inputs a scale
+    and a minimum, codes 0..15 (and the bfloat16 dequantization for many-row calls). Returns how
+    many it quantized; shapes the kernel does not take stay float."""
+    if not int4_cpu_available():
+        return 0
+    done = 0
+    for linear in module.modules():
+        if not isinstance(linear, Linear) or linear.quantized is not None:
+            continue
+        n, k = linear.out_features, linear.in_features
+        if not can_pack_q4(n, k):
+            continue
+        groups = linear.weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        linear.quantize(pack_q4(codes.reshape(n, k), scale, lo, dense=True))
+        done += 1
+    return done
+
+
 def _lean_decode(net: nn.Module) -> dict[str, Any]:
     """Give ``net`` (a Llama-family model) its lean decode step where it applies; the table row
     says which path decode steps take and, if the layers, why."""
