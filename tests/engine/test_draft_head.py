@@ -194,6 +194,9 @@ def test_the_committed_smollm2_head_drafts_real_text():
     head = llm.engine.runner.drafter.head
     assert head.vocab_ids is not None and head.vocab_ids.numel() == 8192  # the vocabulary shipped beside it
     assert head._q8 is not None  # drafted through the int8 logits kernel, over its rows only
+    assert head.module.fc.quantized is not None  # its projections in the target's 4-bit format
+    exact = LLM("smollm2", dtype="float32", speculative_method="draft_head", max_model_len=256)
+    assert exact.engine.runner.drafter.head.module.fc.quantized is None  # the float32 path stays float
 
 
 # --- refusals ---------------------------------------------------------------------------------------

@@ -173,3 +173,25 @@ def test_a_prompts_answer_does_not_depend_on_its_chunking_or_a_prefix_hit(quanti
     for chunk in (8, n - 5, n - 1):  # chunks of 8, a last chunk of 5 rows, of one row
         llm = LLM("smollm2", max_num_batched_tokens=chunk, enable_prefix_caching=False)
         assert llm.chat(chat, params)[0].outputs[0].token_ids == want, chunk
+
+
+def test_float_projections_quantized_as_q4_1_stay_close_and_skip_what_the_kernel_cannot_take():
+    """A draft head's float projections over a quantized target: rounded per group of 32 to codes
+    0..15 with a scale and minimum, they give the float layer's outputs to within 4-bit rounding;
+    a shape the kernel does not take stays float."""
+    from cluster.models.cpu_quant import quantize_float_linears
+    from cluster.models.layers import Linear
+    torch.manual_seed(0)
+    module = torch.nn.ModuleDict({"ok": Linear(64, 48, False, torch.float32), "odd": Linear(40, 24, False, torch.float32)})
+    for lin in module.values():
+        lin.weight.data.normal_(0.0, 0.05)
+    x = torch.randn(5, 64)
+    want = F.linear(x, module["ok"].weight)
+    assert quantize_float_linears(module) == 1
+    assert module["ok"].quantized is not None and module["odd"].quantized is None
+    for rows in (1, 5):  # the int4 kernel and the bfloat16 dequantization
+        kernel, dense = module["ok"](x[:rows], dense=False), module["ok"](x[:rows], dense=True)
+        err = (kernel - want[:rows]).norm() / want[:rows].norm()
+        assert 0 < err < 0.15, (rows, err)  # 16 levels per group of 32: about 9% for normal weights
+        torch.testing.assert_close(kernel, dense, rtol=2e-2, atol=2e-2)  # one weight, two kernels
+    assert quantize_float_linears(module) == 0  # nothing left to quantize
