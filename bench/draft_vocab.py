@@ -103,9 +103,9 @@ def main() -> None:
     sizes = tuple(sorted(set(sizes)))
     size = min(args.size, vocab_size)
     chosen = ranked[:size]
-    for eos in tokenizer.eos_token_ids or []:  # the end of an answer is always draftable
-        if eos not in chosen:
-            chosen[-1] = eos
+    missing = [eos for eos in tokenizer.eos_token_ids or [] if eos not in chosen]
+    if missing:  # the end of an answer is always draftable: in place of the rarest
+        chosen[size - len(missing):] = missing
     result: dict[str, Any] = {
         "bench": "draft_vocab", "environment": environment(), "device": device,
         "target": args.target_name, "vocab_size": vocab_size, "size": size,

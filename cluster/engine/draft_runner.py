@@ -224,18 +224,15 @@ class DraftHeadRunner:
         g = self._pass([(st.start, len(st.tokens), block_tables[job.request_id][0]) for job, st in zip(jobs, states)],
                        [t for st in states for t in st.tokens], torch.cat([st.hidden for st in states]),
                        last_rows=True)  # [B, H]: each request's newest position
-        drafts = [self._draft_tokens(g)]
+        drafts = [self.head.draft_tokens(g)]
         for j in range(1, max(job.num_tokens for job in jobs)):
             live = [i for i, job in enumerate(jobs) if job.num_tokens > j]  # no slot past a request's drafts
             index = torch.tensor(live, dtype=torch.long, device=self.device)
             g_next = self._pass([(jobs[i].position + j, 1, block_tables[jobs[i].request_id][0]) for i in live],
                                 drafts[-1].index_select(0, index), g.index_select(0, index))
             g = g.index_copy(0, index, g_next)
-            drafts.append(drafts[-1].index_copy(0, index, self._draft_tokens(g_next)))
+            drafts.append(drafts[-1].index_copy(0, index, self.head.draft_tokens(g_next)))
         return torch.stack(drafts, dim=1).tolist()  # the one host sync of the proposal
-
-    def _draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
-        return self.head.draft_tokens(g)
 
     def _pass(self, seqs: list[tuple[int, int, list[int]]], input_ids: list[int] | torch.Tensor,
               hidden: torch.Tensor, last_rows: bool = False) -> torch.Tensor:

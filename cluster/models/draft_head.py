@@ -147,7 +147,7 @@ class HeadDrafter:
         else:
             weight = target.embed_tokens.weight if lm_head is None else lm_head.weight
             self._rows = weight.index_select(0, vocab_ids.to(weight.device)).contiguous()
-        self.vocab_ids = vocab_ids.to(self._q8.codes.device if self._q8 is not None else self._rows.device)  # type: ignore[union-attr]
+        self.vocab_ids = vocab_ids.to(target.embed_tokens.weight.device)
 
     def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.module(self.target.embed_tokens(input_ids).to(hidden.dtype), hidden, ctx)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
-from cluster.models.cpu_quant import _lean_decode
-from cluster.models.layers import Linear
+from cluster.models.cpu_quant import _lean_decode, quantize_float_linears
 from cluster.models.llama_cpu_decode import LlamaCpuDecode, unsupported_reason
 from kernels.cpu_quant import DENSE_FROM_ROWS, GROUP_SIZE, int4_cpu_available, pack_q4
 from tests.factories import make_checkpoint
@@ -52,17 +51,7 @@ def checked_steps(model: Any) -> Iterator[list[int]]:
 def quantize_layers(model: Any) -> None:
     """Give every decoder projection of ``model`` Q4_1 weights (the float weights rounded to 4-bit
     codes with a scale and minimum per 32), as a GGUF file's would be, and the lean step."""
-    for layer in model.layers:
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                       layer.mlp.down_proj):
-            assert isinstance(linear, Linear)
-            w = linear.weight.detach().float()
-            n, k = w.shape
-            groups = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-            lo, hi = groups.amin(-1), groups.amax(-1)
-            scale = ((hi - lo) / 15).clamp(min=1e-6)
-            codes = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-            linear.quantize(pack_q4(codes.reshape(n, k), scale, lo, dense=True))
+    assert quantize_float_linears(model.layers) == 4 * len(model.layers)
     row = _lean_decode(model)
     assert row["impl"] == "lean_cpu_decode", row
 
