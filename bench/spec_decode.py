@@ -2,10 +2,12 @@
 on the CPU, or on the GPU where there is one): per prompt class at batch 1, decode tokens per
 second of each method (``--methods``: ngram, draft_head (``--speculative-model``, default the
 shipped head, with the draft vocabulary beside it), draft_head_shipped (the shipped head, beside a
-new one), draft_head_full_vocab (the head drafting over the whole vocabulary)) and without speculation (the anchor,
+new one), draft_head_full_vocab (the head drafting over the whole vocabulary), draft_head_greedy_drafts
+(a sampled request's drafts the head's argmax: ``speculative_draft_sampling="greedy"``)) and without speculation (the anchor,
 measured in the same run, the methods' order rotating prompt by prompt), tokens per engine step,
 drafts accepted, and whether the tokens are identical (they must be); with ``--batch B`` also
 all prompts at once in batches of B (output tokens per second of wall time, prefill included).
+``--temperature T`` samples instead of greedy, seeded (``--seed``), so identity still holds.
 
 Prompt classes (two prompts each, through the chat template): a table to convert to JSON
 (repetitive structure), a passage to summarise, code to edit (the answer repeats the code), open
@@ -129,6 +131,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=0, help="also all prompts at once, in batches of this size")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample (seeded) at this temperature")
+    parser.add_argument("--seed", type=int, default=1, help="the requests' seed where --temperature > 0")
     parser.add_argument("--out", default=f"bench/results/spec-decode-cpu-{datetime.date.today()}.json")
     args = parser.parse_args()
 
@@ -145,13 +149,16 @@ def main() -> None:
         kw: dict[str, Any] = {}
         if m == "ngram":
             kw = {"speculative_method": "ngram", "num_speculative_tokens": args.k}
-        elif m in ("draft_head", "draft_head_shipped", "draft_head_full_vocab"):
+        elif m in ("draft_head", "draft_head_shipped", "draft_head_full_vocab", "draft_head_greedy_drafts"):
             kw = {"speculative_method": "draft_head", "num_speculative_tokens": args.k_head,
                   "speculative_model": default_draft_head_path("smollm2") if m == "draft_head_shipped" else head_path}
             if m == "draft_head_full_vocab":  # the head without its draft vocabulary
                 kw["speculative_draft_vocab"] = "full"
+            if m == "draft_head_greedy_drafts":
+                kw["speculative_draft_sampling"] = "greedy"
         llms[m] = LLM(model, max_num_seqs=max(8, args.batch), **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    seed = args.seed if args.temperature > 0 else None
+    params = SamplingParams(temperature=args.temperature, seed=seed, max_tokens=max_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=8)
     for llm in llms.values():
         llm.chat([{"role": "user", "content": "hello"}], warm)
@@ -221,12 +228,14 @@ def main() -> None:
     engines = {m: llm.engine for m, llm in llms.items()}
     result = {
         "bench": "spec_decode", "environment": environment(), "model": "tiny-random" if args.tiny else args.model,
-        "batch": 1, "sampling": "greedy", "max_tokens": max_tokens, "rounds": args.rounds,
+        "batch": 1,
+        "sampling": f"temperature {args.temperature}, seed {seed}" if args.temperature > 0 else "greedy", "max_tokens": max_tokens, "rounds": args.rounds,
         "methods": {m: {"num_speculative_tokens": e.model_config.num_speculative_tokens if m != "none" else 0,
                         **({"prompt_lookup": [e.model_config.prompt_lookup_min, e.model_config.prompt_lookup_max]}
                            if m == "ngram" else {}),
                         **({"speculative_model": e.model_config.speculative_model or "shipped",
-                            "draft_vocab_size": _draft_vocab_size(e)} if m.startswith("draft_head") else {})}
+                            "draft_vocab_size": _draft_vocab_size(e),
+                            "draft_sampling": e.model_config.speculative_draft_sampling} if m.startswith("draft_head") else {})}
                     for m, e in engines.items()},
         "fast_paths": {"device": str(engines["none"].device),
                        "cuda_graphs_captured": {m: e.runner.graph_status.captured for m, e in engines.items()},
@@ -244,7 +253,8 @@ def main() -> None:
                        "draft_head_pass": (engines["draft_head"].runner.drafter.graph_status.describe()
                                            if "draft_head" in engines else None),
                        "draft_head_proposals": ({"graph": engines["draft_head"].runner.drafter.num_graph_proposals,
-                                                 "eager": engines["draft_head"].runner.drafter.num_eager_proposals}
+                                                 "eager": engines["draft_head"].runner.drafter.num_eager_proposals,
+                                                 "sampled_drafts": engines["draft_head"].runner.drafter.num_sampled_drafts}
                                                 if "draft_head" in engines else None)},
         "anchor": "no speculation, the same engine settings, the methods' order rotating prompt by prompt",
         "classes": rows,

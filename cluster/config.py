@@ -70,6 +70,12 @@ class ModelConfig:
     #: model writes most costs a fraction of the whole LM head; outputs never change (the verify
     #: step decides every token), acceptance only by the answer tokens outside the set.
     speculative_draft_vocab: str | None = None
+    #: How draft_head and mtp draft for a sampled request (temperature > 0): "coupled" (default)
+    #: draws each draft from the head's distribution at the request's temperature with the noise
+    #: the target's own draw at that position uses (drawn ahead), so a draft equals the target's
+    #: token wherever their distributions agree; "greedy" drafts the head's argmax. Outputs are
+    #: the same either way (seeded ones token for token); acceptance is not.
+    speculative_draft_sampling: str = "coupled"
     #: dspark: a block's drafts stop at the first whose confidence head gives it less than this
     #: chance of acceptance (sigmoid); 0 (default): every block verifies all its drafts.
     dspark_confidence_threshold: float = 0.0
@@ -79,6 +85,7 @@ class ModelConfig:
         _choice("load_format", self.load_format, ("auto", "dummy"))
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _choice("speculative_method", self.speculative_method, typing.get_args(SpeculativeMethod))
+        _choice("speculative_draft_sampling", self.speculative_draft_sampling, ("coupled", "greedy"))
         if not 0.0 <= self.dspark_confidence_threshold < 1.0:
             raise UnsupportedSettingError(
                 f"dspark_confidence_threshold must be in [0, 1), got {self.dspark_confidence_threshold}",

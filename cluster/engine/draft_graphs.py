@@ -18,6 +18,12 @@ rows after it in the same sequence, as in a verify step's graph):
   as the target's hidden state and its argmax as the token. A request that drafts fewer than
   ``k`` tokens (near its ``max_tokens``) has no slot there: slot -1, its row's drafts dropped.
 
+- Sampled drafts (DraftHeadRunner, ``DraftJob.noise``): each draft is ``argmax(logits * scale +
+  gumbel)`` with per-request ``scale`` and per-pass ``gumbel`` buffers, which hold 1 and 0 for a
+  greedy request (the plain argmax). Where those buffers would pass ``MAX_DRAW_BUFFER_BYTES``
+  (a large vocabulary without a draft vocabulary), the graphs draft greedily for every request
+  and say so (``draws``); eager proposals still sample.
+
 Requests beyond the batch (padding up to the graph's size) read the null block and write nowhere.
 The inputs go through one pinned host buffer and one copy (no wait for the GPU); the pending
 hidden rows are copied on the device. ``emulate=True`` (CPU tests): no capture; each replay runs
@@ -40,6 +46,10 @@ if TYPE_CHECKING:
     from cluster.engine.draft_runner import DraftHeadRunner, DraftJob, DraftState
 
 logger = logging.getLogger(__name__)
+
+#: The most memory the graphs' sampled-draft buffers (``gumbel [k, batch, draft vocabulary]``
+#: float32) may take; beyond it the graphs draft greedily.
+MAX_DRAW_BUFFER_BYTES = 64 << 20
 
 
 class DraftHeadGraphs:
@@ -68,6 +78,20 @@ class DraftHeadGraphs:
             self.chain_slots = torch.full((max(1, self.k - 1), b), -1, dtype=torch.int64)
             self.tables = torch.zeros((b, table_width), dtype=torch.int32)
             self.query_start_loc = torch.arange(b * r + 1, dtype=torch.int32)
+        width = drafter.draft_width
+        need = self.k * b * width * 4
+        #: Whether the graphs draw sampled drafts (else greedy for all), and why not.
+        self.draws = need <= MAX_DRAW_BUFFER_BYTES
+        self.draws_reason = "" if self.draws else (
+            f"sampled requests draft greedily in the graphs: their draw buffers would take {need >> 20} MiB "
+            f"(k={self.k}, batch {b}, {width} draftable tokens; at most {MAX_DRAW_BUFFER_BYTES >> 20} MiB)")
+        if not self.draws:
+            logger.warning("draft-head graphs: %s", self.draws_reason)
+        with torch.device(dev):
+            self.scale = torch.ones(b if self.draws else 0, dtype=torch.float32)
+            self.gumbel = torch.zeros((self.k, b, width) if self.draws else (0,), dtype=torch.float32)
+        #: Whether ``scale``/``gumbel`` hold a sampled request's values (``neutral`` resets them).
+        self._drawn = False
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.timings: dict[str, float] = {}
@@ -95,15 +119,27 @@ class DraftHeadGraphs:
         hidden = self.first_hidden[:n]
         g = d.head.draft(self.first_ids[:n], hidden, ctx)
         g = g.index_select(0, self.last_rows[:size])
-        token = d.head.draft_tokens(g)
+        token = self._draft_tokens(g, 0, size)
         drafts = [token]
         for j in range(self.k - 1):
             ctx = self._context(self.chain_positions[j, :size], self.chain_seq_lens[j, :size], tables,
                                 self.chain_slots[j, :size])
             g = d.head.draft(token, g, ctx)
-            token = d.head.draft_tokens(g)
+            token = self._draft_tokens(g, j + 1, size)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
+
+    def _draft_tokens(self, g: torch.Tensor, j: int, size: int) -> torch.Tensor:
+        if not self.draws:
+            return self.drafter.head.draft_tokens(g)
+        return self.drafter.head.draft_tokens(g, self.scale[:size], self.gumbel[j, :size])
+
+    def neutral(self) -> None:
+        """Every request drafts greedily (after a proposal that sampled)."""
+        if self._drawn:
+            self.scale.fill_(1.0)
+            self.gumbel.zero_()
+            self._drawn = False
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -175,10 +211,19 @@ class DraftHeadGraphs:
 
     @torch.inference_mode()
     def run(self, jobs: Sequence["DraftJob"], states: Sequence["DraftState"],
-            block_tables: dict[str, list[list[int]]]) -> torch.Tensor:
+            block_tables: dict[str, list[list[int]]],
+            gumbels: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
         """Drafts ``[len(jobs), k]`` on the device (a request's row past its ``num_tokens`` is
-        unused) for requests whose pending tokens (``states``, the newest included) fit."""
+        unused) for requests whose pending tokens (``states``, the newest included) fit; a job
+        with a ``gumbels`` entry (its noise over the draft vocabulary) samples its drafts."""
         n = len(jobs)
+        self.neutral()
+        if self.draws and gumbels is not None and any(gu is not None for gu in gumbels):
+            for j in range(self.k):
+                scale, gumbel = self.drafter.draw_inputs(jobs, gumbels, j)
+                self.gumbel[j, :n].copy_(gumbel)
+            self.scale[:n].copy_(scale)
+            self._drawn = True
         size = next(s for s in self.sizes if s >= n)
         r, k, bs = self.rows, self.k, self.drafter.block_size
         chain = max(1, k - 1)
@@ -248,6 +293,8 @@ class DraftHeadGraphs:
         n = base.shape[0]
         size = next(s for s in self.sizes if s >= n)
         r = self.rows
+        if replay:
+            self.neutral()
         accepted, token = self.ops.spec_accept_draft_rows(
             inputs, targets, base, live, tables, self.drafter.block_size, self.first_ids[:size * r],
             self.first_positions[:size * r], self.first_seq_lens[:size * r], self.first_slots[:size * r],

@@ -13,8 +13,12 @@ the first position ``start`` whose draft KV is not written, the target's hidden 
 - Before a verify step (``propose``, once the scheduler has allocated its ``1 + k`` slots): one
   pass over each request's pending positions up to its newest token, whose last row gives the
   first draft, then ``k - 1`` chained one-token passes, each reading the previous pass's output
-  in place of the target's hidden state. Drafts are greedy (argmax): a one-hot draft
-  distribution, which the verifier's rule accepts with the target's probability.
+  in place of the target's hidden state. A greedy request's drafts are the head's argmax; a
+  sampled one's (``speculative_draft_sampling="coupled"``) are Gumbel-max draws from the head's
+  distribution at the request's temperature with the very noise the target's draw at the same
+  position uses (``DraftJob.noise``), so draft and target pick the same token wherever their
+  distributions agree. The verifier's rule is unchanged (accept while a draft equals the
+  target's token): the target's draws, not the drafts, make the output.
 - Disaggregated: a prefill engine runs the head over the prompt (the draft KV travels with the
   rest of the blocks) and hands the hidden state at the prompt's last position to the decode
   engine (``last_hidden`` -> ``seed``), which drafts from its first step with nothing recomputed.
@@ -53,11 +57,16 @@ class DraftState:
 
 @dataclass(frozen=True)
 class DraftJob:
-    """Draft ``num_tokens`` tokens after ``token``, the request's newest, at ``position``."""
+    """Draft ``num_tokens`` tokens after ``token``, the request's newest, at ``position``:
+    greedy, or (``noise``: the target's draw noise at the verified positions, ``[>= num_tokens,
+    V]`` exponential, ``Sampler.position_noise``) each draft ``j`` drawn from the head's
+    distribution at temperature ``1 / scale`` with row ``j`` of that noise."""
     request_id: str
     position: int
     token: int
     num_tokens: int
+    scale: float = 1.0
+    noise: Any = None
 
 
 class DraftHeadRunner:
@@ -81,6 +90,8 @@ class DraftHeadRunner:
         #: Proposals replayed from a graph / run as eager passes.
         self.num_graph_proposals = 0
         self.num_eager_proposals = 0
+        #: Drafts drawn from the head's distribution (sampled requests, coupled drafting).
+        self.num_sampled_drafts = 0
 
     def capture_graphs(self, num_tokens: int, max_batch: int, table_width: int, max_model_len: int,
                        emulate: bool = False) -> GraphStatus:
@@ -201,14 +212,16 @@ class DraftHeadRunner:
         states = [self._state(job.request_id, job.position) for job in jobs]  # hidden rows start - 1 .. position - 1
         for job, st in zip(jobs, states):
             st.tokens = st.tokens + [job.token]
+        gumbels = [None if job.noise is None else self._gumbel(job.noise[:job.num_tokens]) for job in jobs]
+        self.num_sampled_drafts += sum(job.num_tokens for job, gu in zip(jobs, gumbels) if gu is not None)
         if self.graphs is not None and self.graphs.can_run(jobs, states):
             self.num_graph_proposals += 1
             self.num_passes += self.graphs.k
             self.num_positions += sum(len(st.tokens) for st in states) + sum(job.num_tokens - 1 for job in jobs)
-            table = self.graphs.run(jobs, states, block_tables).tolist()  # the one host sync of the proposal
+            table = self.graphs.run(jobs, states, block_tables, gumbels).tolist()  # the one host sync of the proposal
         else:
             self.num_eager_proposals += 1
-            table = self._eager_proposal(jobs, states, block_tables)
+            table = self._eager_proposal(jobs, states, block_tables, gumbels)
         out = {}
         for job, st, row in zip(jobs, states, table):
             st.start = job.position + 1
@@ -218,21 +231,55 @@ class DraftHeadRunner:
         return out
 
     def _eager_proposal(self, jobs: Sequence[DraftJob], states: Sequence[DraftState],
-                        block_tables: dict[str, list[list[int]]]) -> list[list[int]]:
+                        block_tables: dict[str, list[list[int]]],
+                        gumbels: Sequence[torch.Tensor | None]) -> list[list[int]]:
         """The proposal as ``k`` eager passes: drafts per job (rows past a job's ``num_tokens``
         unused)."""
         g = self._pass([(st.start, len(st.tokens), block_tables[job.request_id][0]) for job, st in zip(jobs, states)],
                        [t for st in states for t in st.tokens], torch.cat([st.hidden for st in states]),
                        last_rows=True)  # [B, H]: each request's newest position
-        drafts = [self.head.draft_tokens(g)]
+        drafts = [self._draft_tokens(g, jobs, list(range(len(jobs))), gumbels, 0)]
         for j in range(1, max(job.num_tokens for job in jobs)):
             live = [i for i, job in enumerate(jobs) if job.num_tokens > j]  # no slot past a request's drafts
             index = torch.tensor(live, dtype=torch.long, device=self.device)
             g_next = self._pass([(jobs[i].position + j, 1, block_tables[jobs[i].request_id][0]) for i in live],
                                 drafts[-1].index_select(0, index), g.index_select(0, index))
             g = g.index_copy(0, index, g_next)
-            drafts.append(drafts[-1].index_copy(0, index, self.head.draft_tokens(g_next)))
+            drafts.append(drafts[-1].index_copy(0, index, self._draft_tokens(g_next, jobs, live, gumbels, j)))
         return torch.stack(drafts, dim=1).tolist()  # the one host sync of the proposal
+
+    def _draft_tokens(self, g: torch.Tensor, jobs: Sequence[DraftJob], rows: list[int],
+                      gumbels: Sequence[torch.Tensor | None], j: int) -> torch.Tensor:
+        """Draft ``j`` of the jobs ``rows`` (``g``'s rows, in order): greedy, or drawn where a
+        job samples."""
+        if all(gumbels[i] is None for i in rows):
+            return self.head.draft_tokens(g)
+        scale, gumbel = self.draw_inputs([jobs[i] for i in rows], [gumbels[i] for i in rows], j)
+        return self.head.draft_tokens(g, scale, gumbel)
+
+    def draw_inputs(self, jobs: Sequence[DraftJob], gumbels: Sequence[torch.Tensor | None], j: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale [N], gumbel [N, V'])`` for draft ``j`` of ``jobs``: a greedy job's (or one
+        past its drafts) 1 and 0, a sampled one's 1 / temperature and its noise's row ``j``."""
+        width = self.draft_width
+        zero = torch.zeros(width, dtype=torch.float32, device=self.device)
+        gumbel = torch.stack([gu[j] if gu is not None and j < gu.shape[0] else zero for gu in gumbels])
+        scale = torch.tensor([job.scale if gu is not None else 1.0 for job, gu in zip(jobs, gumbels)],
+                             dtype=torch.float32).to(self.device)
+        return scale, gumbel
+
+    @property
+    def draft_width(self) -> int:
+        """How many tokens a draft may take (the draft vocabulary's size, else the vocabulary's)."""
+        ids = self.head.draft_vocab_ids()
+        return int(self.head.vocab_size if ids is None else ids.numel())
+
+    def _gumbel(self, noise: torch.Tensor) -> torch.Tensor:
+        """Exponential noise ``[n, V]`` as Gumbel noise over the draft vocabulary ``[n, V']``:
+        ``argmax(p / E) == argmax(log p - log E)``."""
+        ids = self.head.draft_vocab_ids()
+        gumbel = -noise.to(self.device, torch.float32).log()
+        return gumbel if ids is None else gumbel.index_select(1, ids.to(self.device))
 
     def _pass(self, seqs: list[tuple[int, int, list[int]]], input_ids: list[int] | torch.Tensor,
               hidden: torch.Tensor, last_rows: bool = False) -> torch.Tensor:

@@ -391,8 +391,21 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             rows.append({"component": self.model_config.speculative_method, "op": "draft_pass",
                          "impl": "graph" if graphs.captured else "eager",
                          "device": device, "role": "draft", "format": str(self.dtype).removeprefix("torch."),
-                         "reason": f"{where}, through the model's attention kernel; drafts are greedy"})
+                         "reason": f"{where}, through the model's attention kernel; {self._draft_sampling()}"})
         return rows
+
+    def _draft_sampling(self) -> str:
+        """How the draft head drafts for greedy and sampled requests (``/v1/backends``)."""
+        if self.model_config.speculative_draft_sampling == "greedy":
+            return "drafts are the head's argmax (speculative_draft_sampling='greedy')"
+        out = ("greedy requests draft the head's argmax, sampled ones draw from the head's distribution with the "
+               "target's draw noise (coupled)")
+        graphs = self.runner.drafter.graphs if self.runner.drafter is not None else None
+        if graphs is not None and not graphs.draws:
+            out += f"; {graphs.draws_reason}"
+        if self._spec_pipelined:
+            out += "; a pipelined verify step's next proposal is greedy"
+        return out
 
     def metrics(self) -> dict[str, float]:
         out = {

@@ -249,6 +249,7 @@ class ModelRunner:
         assert self.graphs is not None and self.drafter is not None and self.drafter.graphs is not None
         n = inputs.shape[0]
         table = stage(np.ascontiguousarray(tables, dtype=np.int32), self.device)
+        self.drafter.graphs.neutral()  # the device's proposals are greedy
         if self.verify_graphs is not None and self.verify_graphs.can_run(n) and all(r.params.greedy for r in rows):
             out = self.verify_graphs.run(table, inputs, base)
             out.last_hidden = out.last_hidden.clone()  # the graph's buffer: its next replay overwrites it

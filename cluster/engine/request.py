@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cluster.common.errors import ErrorKind
 from cluster.common.outputs import FinishReason, PositionLogprobs
@@ -75,6 +75,10 @@ class Request:
     #: Draft tokens proposed to follow the request's tokens, verified by the next step
     #: (speculative decoding; see cluster.engine.spec_decode). Never part of its tokens.
     spec_token_ids: list[int] = field(default_factory=list)
+    #: A sampled request's drafts drawn from the draft head's distribution: the target's draw
+    #: noise at each verified position ``[len(spec_token_ids) + 1, V]`` (``Sampler.position_noise``),
+    #: which the drafts were drawn with and the verify step draws with. None otherwise.
+    spec_noise: Any = None
     #: This request's speculation (verify steps, draft tokens, accepted ones in all and per draft
     #: position), counted by the engine's ``SpecDecodeStats.record``; None until its first verify
     #: step. Reported in its RequestOutput.metrics.

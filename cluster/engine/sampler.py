@@ -32,6 +32,9 @@ class SamplingRow:
     sample_index: int = 0
     #: Tokens already sampled for this request but not yet in ``output_token_ids`` (pipelining).
     num_pending: int = 0
+    #: The draw's exponential noise ``[V]`` where it was drawn ahead (``Sampler.position_noise``:
+    #: a draft sampled with it), else None: drawn at the draw.
+    noise: torch.Tensor | None = None
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -115,9 +118,24 @@ class Sampler:
         probs = sub.softmax(-1)
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=self._generator_for(rows[i]))
+            ahead = rows[i].noise
+            if ahead is not None:
+                noise[j].copy_(ahead)
+            else:
+                noise[j].exponential_(generator=self._generator_for(rows[i]))
         tokens.index_copy_(0, index, sample_with_noise_ref(probs, noise))
         return tokens
+
+    def position_noise(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """The exponential noise ``[len(rows), V]`` that ``_draw`` would draw for each row (a
+        sampled row: seeded, the same values whenever drawn; unseeded, the next from the engine's
+        generator): drawn ahead, a draft sampled with a position's noise is the token the target
+        draws there wherever their distributions agree (``SamplingRow.noise`` hands it to the
+        draw)."""
+        noise = torch.empty((len(rows), self.vocab_size), dtype=torch.float32, device=self.device)
+        for j, row in enumerate(rows):
+            noise[j].exponential_(generator=self._generator_for(row))
+        return noise
 
     def _generator_for(self, row: SamplingRow) -> torch.Generator:
         seed = row.params.seed

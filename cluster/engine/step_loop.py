@@ -129,6 +129,9 @@ class StepLoop:
                 s.token_ids = r.all_token_ids[c:] + drafts
                 s.draft_token_ids = list(drafts)
                 s.sampling = [(r.request_id, self._sampling_row(r, drafts[:j])) for j in range(len(drafts) + 1)]
+                if r.spec_noise is not None:  # the noise the drafts were drawn with (_draft_on_device)
+                    for j, (_, row) in enumerate(s.sampling):
+                        row.noise = r.spec_noise[j]
                 continue
             s.token_ids = r.all_token_ids[c:c + s.num_new_tokens]
             s.draft_token_ids = ()
@@ -240,6 +243,7 @@ class StepLoop:
         max_len = self.scheduler_config.max_model_len
         for r in self.scheduler.running:
             r.spec_token_ids = []
+            r.spec_noise = None
             if r.num_pending or r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
                 continue
             room = min(k, max_len - r.num_tokens - 1)
@@ -251,13 +255,22 @@ class StepLoop:
     def _draft_on_device(self, sched: SchedulerOutput) -> None:
         """Replace the placeholder drafts of the scheduled verify steps with the draft head's."""
         jobs = []
+        coupled = self.model_config.speculative_draft_sampling == "coupled"
         for s in sched.scheduled:
             r = s.request
             if r.spec_token_ids and s.num_computed_tokens == r.num_tokens - 1 \
                     and s.num_new_tokens == 1 + len(r.spec_token_ids):
-                jobs.append(DraftJob(r.request_id, r.num_tokens - 1, r.all_token_ids[-1], len(r.spec_token_ids)))
+                k = len(r.spec_token_ids)
+                p = r.sampling_params
+                if coupled and not p.greedy:  # drafts drawn with the noise the verify step draws with
+                    rows = [self._sampling_row(r, r.spec_token_ids[:j]) for j in range(k + 1)]
+                    r.spec_noise = self.runner.sampler.position_noise(rows)
+                jobs.append(DraftJob(r.request_id, r.num_tokens - 1, r.all_token_ids[-1], k,
+                                     scale=1.0 / p.temperature if r.spec_noise is not None else 1.0,
+                                     noise=r.spec_noise))
             else:
                 r.spec_token_ids = []
+                r.spec_noise = None
         if jobs:
             try:
                 drafts = self.runner.propose(jobs, sched.block_tables)

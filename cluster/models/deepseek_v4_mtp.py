@@ -16,6 +16,7 @@ import torch
 from cluster.common.errors import UnsupportedSettingError
 from cluster.models.context import ForwardContext
 from cluster.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4MTPLayer
+from cluster.models.draft_head import perturbed_argmax
 from cluster.models.ops import Ops
 
 
@@ -51,5 +52,9 @@ class MTPDrafter:
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         return self.target.head_logits(self.module.collapse(g.view(g.shape[0], self.hc_mult, self.hidden_size)))
 
-    def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
-        return self.draft_logits(g).argmax(dim=-1)
+    def draft_tokens(self, g: torch.Tensor, scale: torch.Tensor | None = None,
+                     gumbel: torch.Tensor | None = None) -> torch.Tensor:
+        return perturbed_argmax(self.draft_logits(g), scale, gumbel)
+
+    def draft_vocab_ids(self) -> torch.Tensor | None:
+        return None

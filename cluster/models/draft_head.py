@@ -109,8 +109,16 @@ class Drafter(Protocol):
 
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor: ...
 
-    def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
-        """Each row's drafted token (greedy: the argmax over the tokens it may draft)."""
+    def draft_tokens(self, g: torch.Tensor, scale: torch.Tensor | None = None,
+                     gumbel: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's drafted token over the tokens it may draft: the argmax of its logits, or
+        with ``scale [N]`` (1 / temperature) and ``gumbel [N, V']`` (Gumbel noise over those
+        tokens, ``draft_vocab_ids`` of the whole vocabulary's) a draw from its tempered
+        distribution (``perturbed_argmax``)."""
+        ...
+
+    def draft_vocab_ids(self) -> torch.Tensor | None:
+        """The token ids a draft may take, in the order of ``gumbel``'s columns (None: all)."""
         ...
 
 
@@ -155,17 +163,30 @@ class HeadDrafter:
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(g)
 
-    def draft_tokens(self, g: torch.Tensor) -> torch.Tensor:
-        """The drafted token of each row of ``g [N, H]``: the argmax of its logits over the draft
-        vocabulary (the whole one without a ``vocab_ids``)."""
+    def draft_tokens(self, g: torch.Tensor, scale: torch.Tensor | None = None,
+                     gumbel: torch.Tensor | None = None) -> torch.Tensor:
+        """The drafted token of each row of ``g [N, H]`` over the draft vocabulary (the whole one
+        without a ``vocab_ids``): see ``Drafter.draft_tokens``."""
         if self.vocab_ids is None:
-            return self.draft_logits(g).argmax(dim=-1)
+            return perturbed_argmax(self.draft_logits(g), scale, gumbel)
         if self._q8 is not None:
             logits = linear_q8(g, self._q8)
         else:
             assert self._rows is not None
             logits = nn.functional.linear(g.to(self._rows.dtype), self._rows)
-        return self.vocab_ids.index_select(0, logits.argmax(dim=-1))
+        return self.vocab_ids.index_select(0, perturbed_argmax(logits, scale, gumbel))
+
+    def draft_vocab_ids(self) -> torch.Tensor | None:
+        return self.vocab_ids
+
+
+def perturbed_argmax(logits: torch.Tensor, scale: torch.Tensor | None, gumbel: torch.Tensor | None) -> torch.Tensor:
+    """``argmax(logits * scale + gumbel)`` per row (the Gumbel-max draw from ``softmax(logits *
+    scale)``), or the plain argmax without noise. A greedy row has scale 1 and gumbel 0."""
+    if gumbel is None:
+        return logits.argmax(dim=-1)
+    assert scale is not None
+    return (logits.float() * scale[:, None] + gumbel).argmax(dim=-1)
 
 
 def dense_decoder_layer(layer: LlamaDecoderLayer, args: LlamaArgs, x: torch.Tensor, cos: torch.Tensor,

@@ -141,6 +141,29 @@ def test_draft_head_equals_no_speculation(tiny, case):
     assert engine.kv.usage == 0.0 and not engine.runner.drafter.states
 
 
+def test_sampled_requests_draw_their_drafts_with_the_targets_noise(tiny):
+    """speculative_draft_sampling="coupled" (the default): a sampled request's drafts are drawn
+    from the head's distribution with the noise its verify step draws with, so they are accepted
+    far more often than the head's argmax at temperature 1; outputs equal decoding without
+    speculation either way (seeded, token for token)."""
+    prompts = train_prompts()[:8]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=32, n=2, ignore_eos=True)
+    want = summary(LLM(tiny[0], block_size=4).generate(prompts, params))
+    rate = {}
+    for mode in ("greedy", "coupled"):
+        llm = head_llm(tiny, speculative_draft_sampling=mode)
+        assert summary(llm.generate(prompts, params)) == want
+        stats, drafter = llm.engine.spec_stats, llm.engine.runner.drafter
+        rate[mode] = stats.num_accepted_tokens / stats.num_draft_tokens
+        assert (drafter.num_sampled_drafts > 0) == (mode == "coupled")
+        row = [r for r in llm.engine.backends() if r["component"] == "draft_head"][0]
+        assert ("coupled" in row["reason"]) == (mode == "coupled"), row
+        assert llm.engine.kv.usage == 0.0
+    assert rate["coupled"] > 1.2 * rate["greedy"], rate
+    with pytest.raises(UnsupportedSettingError, match="speculative_draft_sampling"):
+        head_llm(tiny, speculative_draft_sampling="typical")
+
+
 def test_stop_strings_inside_an_accepted_run(tiny):
     prompts = train_prompts()[:3]
     base = LLM(tiny[0], block_size=4).generate(prompts, SamplingParams(temperature=0.0, max_tokens=40,
@@ -313,18 +336,22 @@ def test_proposals_replay_emulated_draft_graphs(tiny, monkeypatch):
     compared = {"drafts": 0, "agree": 0, "padded": 0}
     run = drafter.graphs.run
 
-    def checked(jobs, states, tables):
-        eager = drafter._eager_proposal(jobs, states, tables)  # writes the same draft KV, same values
-        got = run(jobs, states, tables).tolist()
-        for job, a, b in zip(jobs, eager, got):
+    def checked(jobs, states, tables, gumbels):
+        eager = drafter._eager_proposal(jobs, states, tables, gumbels)  # writes the same draft KV, same values
+        got = run(jobs, states, tables, gumbels).tolist()
+        for job, a, b, gu in zip(jobs, eager, got, gumbels):
             compared["drafts"] += job.num_tokens
             compared["agree"] += sum(x == y for x, y in zip(a[:job.num_tokens], b[:job.num_tokens]))
+            compared["sampled"] += job.num_tokens if gu is not None else 0
         compared["padded"] += len(jobs) not in drafter.graphs.sizes or any(j.num_tokens < K for j in jobs)
         return torch.tensor(got)
+    compared["sampled"] = 0
     monkeypatch.setattr(drafter.graphs, "run", checked)
     assert summary(llm.generate(prompts, params)) == want
     assert drafter.num_graph_proposals > 5 and drafter.num_eager_proposals == 0
     assert compared["agree"] == compared["drafts"] > 0 and compared["padded"] > 0
+    # the seeded samples' drafts were drawn in the graphs, from their noise, as the eager passes draw
+    assert drafter.graphs.draws and 0 < compared["sampled"] == drafter.num_sampled_drafts < compared["drafts"]
     assert engine.spec_stats.num_accepted_tokens > 5
     row = [r for r in engine.backends() if r["component"] == "draft_head"][0]
     assert row["impl"] == "graph" and "verified" in row["reason"]
@@ -416,18 +443,23 @@ def test_a_draft_vocabulary_changes_drafts_not_output(tiny, tmp_path):
     head = llm.engine.runner.drafter.head
     assert head.vocab_ids is not None and head.vocab_ids.tolist() == ids
     drafted: list[int] = []
+    sampled: list[int] = []
     real = head.draft_tokens
 
-    def spied(g):
-        tokens = real(g)
+    def spied(g, scale=None, gumbel=None):
+        tokens = real(g, scale, gumbel)
         full = head.draft_logits(g)
         allowed = torch.tensor(ids)
-        assert torch.equal(tokens, allowed[full[:, allowed].argmax(dim=-1)])  # the argmax over the subset
+        if gumbel is None:
+            assert torch.equal(tokens, allowed[full[:, allowed].argmax(dim=-1)])  # the argmax over the subset
+        else:  # a sampled request's draw over the subset (a greedy one's scale 1 and noise 0 in the batch)
+            assert torch.equal(tokens, allowed[(full[:, allowed] * scale[:, None] + gumbel).argmax(dim=-1)])
+            sampled.append(int((gumbel != 0).any(dim=-1).sum()))
         drafted.extend(tokens.tolist())
         return tokens
     head.draft_tokens = spied
     assert summary(llm.generate(prompts, params)) == want
-    assert drafted and set(drafted) <= set(ids)
+    assert drafted and set(drafted) <= set(ids) and sum(sampled) > 0
     stats = llm.engine.spec_stats
     assert stats.num_accepted_tokens > max(10, 0.05 * stats.num_draft_tokens), stats.counters()
     assert llm.engine.kv.usage == 0.0 and not llm.engine.runner.drafter.states

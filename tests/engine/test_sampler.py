@@ -96,3 +96,28 @@ def test_logprobs_are_from_the_raw_distribution():
     top = ref[0].topk(3)
     for rank, (val, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
         assert abs(entry[tid].logprob - val) < 1e-5 and entry[tid].rank == rank
+
+
+def test_noise_drawn_ahead_is_the_draws_and_couples_a_gumbel_draft():
+    """``position_noise`` gives the noise ``_draw`` draws with (a seeded row: the same values
+    whenever drawn; an unseeded one: handed to the draw through ``SamplingRow.noise``), and a
+    Gumbel-max draft from the same distribution with that noise (``perturbed_argmax``, as the
+    draft head draws) is the draw's token, row by row."""
+    from cluster.models.draft_head import perturbed_argmax
+    x = logits(6, seed=5)
+    rows = [row(output=[1] * j, temperature=t, seed=s) for j, (t, s) in
+            enumerate(((1.0, 3), (0.6, 3), (1.3, 8), (1.0, None), (0.8, None), (1.0, 11)))]
+    sampler = Sampler(V, 0, torch.device("cpu"))
+    noise = sampler.position_noise(rows)
+    assert noise.shape == (6, V) and bool((noise > 0).all())
+    for r, e in zip(rows, noise):
+        if r.params.seed is None:
+            r.noise = e  # an unseeded row's noise drawn ahead is the one it draws with
+    drawn, _ = sampler(x.clone(), rows)
+    assert torch.equal(Sampler(V, 0, torch.device("cpu")).position_noise(rows[:3]), noise[:3])  # seeded: repeatable
+    scale = torch.tensor([1.0 / r.params.temperature for r in rows])
+    assert perturbed_argmax(x, scale, -noise.log()).tolist() == drawn
+    assert perturbed_argmax(x, None, None).tolist() == x.argmax(-1).tolist()
+    # an unseeded row without noise ahead draws fresh noise: other tokens at times
+    fresh = [sampler(x[3:4].clone(), [row(temperature=1.0)])[0][0] for _ in range(40)]
+    assert len(set(fresh)) > 1

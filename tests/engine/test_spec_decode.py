@@ -323,6 +323,40 @@ def test_unseeded_sampling_keeps_the_target_distribution(tiny_vocab_dir):
     assert chi_square_p(np.round(biased * n), p2) < 1e-3
 
 
+def test_drafts_drawn_with_the_targets_noise_keep_the_target_distribution(tiny_vocab_dir, tmp_path):
+    """Unseeded requests at temperature 1 whose drafts a draft head draws from its own
+    distribution with the noise the verify step then draws with (drawn ahead, from the engine's
+    generator: speculative_draft_sampling="coupled"): the first and first two verified tokens
+    still follow the model's distribution (chi-square, p > 1e-3, as above)."""
+    from safetensors.torch import save_file
+
+    from cluster.models.draft_head import LlamaDraftHead, head_metadata
+    prompt = [1, 4, 2, 5]
+    n = 20_000
+    target = LLM(tiny_vocab_dir, block_size=4).engine.model
+    torch.manual_seed(2)
+    head = LlamaDraftHead(target.args, target.args.num_layers, torch.float32)
+    head.init_from_target(target)
+    path = str(tmp_path / "head.safetensors")
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, path,
+              metadata=head_metadata(head.args, "tiny-vocab6"))
+    llm = LLM(tiny_vocab_dir, block_size=4, speculative_method="draft_head", speculative_model=path,
+              num_speculative_tokens=2, max_num_seqs=512, max_num_batched_tokens=4096, seed=1)
+    p2, p23 = exact_distributions(llm, prompt)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    outs = [o for _ in range(n // 1000) for o in llm.generate([prompt] * 1000, params)]
+    assert llm.engine.runner.drafter.num_sampled_drafts > n
+    assert llm.engine.spec_stats.num_accepted_tokens > n // 5  # drawn drafts are accepted often
+    firsts = np.zeros(VOCAB)
+    pairs = np.zeros((VOCAB, VOCAB))
+    for o in outs:
+        t = o.outputs[0].token_ids
+        firsts[t[1]] += 1
+        pairs[t[1], t[2]] += 1
+    assert chi_square_p(firsts, p2) > 1e-3
+    assert chi_square_p(pairs, p23) > 1e-3
+
+
 def test_seeded_requests_equal_their_non_speculative_output_exactly(tiny_vocab_dir):
     prompts = [[1, 4, 2, 5], [3, 3, 0], [5, 1]]
     params = [SamplingParams(temperature=t, seed=s, max_tokens=12, ignore_eos=True)
