@@ -212,16 +212,15 @@ class DraftHeadGraphs:
     @torch.inference_mode()
     def run(self, jobs: Sequence["DraftJob"], states: Sequence["DraftState"],
             block_tables: dict[str, list[list[int]]],
-            gumbels: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+            draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Drafts ``[len(jobs), k]`` on the device (a request's row past its ``num_tokens`` is
-        unused) for requests whose pending tokens (``states``, the newest included) fit; a job
-        with a ``gumbels`` entry (its noise over the draft vocabulary) samples its drafts."""
+        unused) for requests whose pending tokens (``states``, the newest included) fit; with
+        ``draws`` (``DraftHeadRunner.draw_inputs``) the sampled jobs draw theirs."""
         n = len(jobs)
         self.neutral()
-        if self.draws and gumbels is not None and any(gu is not None for gu in gumbels):
-            for j in range(self.k):
-                scale, gumbel = self.drafter.draw_inputs(jobs, gumbels, j)
-                self.gumbel[j, :n].copy_(gumbel)
+        if self.draws and draws is not None:
+            scale, gumbel = draws
+            self.gumbel[:gumbel.shape[0], :n].copy_(gumbel)
             self.scale[:n].copy_(scale)
             self._drawn = True
         size = next(s for s in self.sizes if s >= n)

@@ -42,6 +42,7 @@ import torch
 
 from cluster.engine.cuda_graphs import GraphStatus, capture_with_status
 from cluster.engine.draft_graphs import DraftHeadGraphs
+from cluster.engine.sampler import to_device
 from cluster.models.context import ForwardContext
 from cluster.models.draft_head import Drafter
 
@@ -212,16 +213,15 @@ class DraftHeadRunner:
         states = [self._state(job.request_id, job.position) for job in jobs]  # hidden rows start - 1 .. position - 1
         for job, st in zip(jobs, states):
             st.tokens = st.tokens + [job.token]
-        gumbels = [None if job.noise is None else self._gumbel(job.noise[:job.num_tokens]) for job in jobs]
-        self.num_sampled_drafts += sum(job.num_tokens for job, gu in zip(jobs, gumbels) if gu is not None)
+        draws = self.draw_inputs(jobs)
         if self.graphs is not None and self.graphs.can_run(jobs, states):
             self.num_graph_proposals += 1
             self.num_passes += self.graphs.k
             self.num_positions += sum(len(st.tokens) for st in states) + sum(job.num_tokens - 1 for job in jobs)
-            table = self.graphs.run(jobs, states, block_tables, gumbels).tolist()  # the one host sync of the proposal
+            table = self.graphs.run(jobs, states, block_tables, draws).tolist()  # the one host sync of the proposal
         else:
             self.num_eager_proposals += 1
-            table = self._eager_proposal(jobs, states, block_tables, gumbels)
+            table = self._eager_proposal(jobs, states, block_tables, draws)
         out = {}
         for job, st, row in zip(jobs, states, table):
             st.start = job.position + 1
@@ -232,54 +232,56 @@ class DraftHeadRunner:
 
     def _eager_proposal(self, jobs: Sequence[DraftJob], states: Sequence[DraftState],
                         block_tables: dict[str, list[list[int]]],
-                        gumbels: Sequence[torch.Tensor | None]) -> list[list[int]]:
+                        draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[list[int]]:
         """The proposal as ``k`` eager passes: drafts per job (rows past a job's ``num_tokens``
-        unused)."""
+        unused); ``draws`` (``draw_inputs``) where some job samples."""
         g = self._pass([(st.start, len(st.tokens), block_tables[job.request_id][0]) for job, st in zip(jobs, states)],
                        [t for st in states for t in st.tokens], torch.cat([st.hidden for st in states]),
                        last_rows=True)  # [B, H]: each request's newest position
-        drafts = [self._draft_tokens(g, jobs, list(range(len(jobs))), gumbels, 0)]
+        scale, gumbel = draws if draws is not None else (None, None)
+        drafts = [self.head.draft_tokens(g, scale, None if gumbel is None else gumbel[0])]
         for j in range(1, max(job.num_tokens for job in jobs)):
             live = [i for i, job in enumerate(jobs) if job.num_tokens > j]  # no slot past a request's drafts
             index = torch.tensor(live, dtype=torch.long, device=self.device)
             g_next = self._pass([(jobs[i].position + j, 1, block_tables[jobs[i].request_id][0]) for i in live],
                                 drafts[-1].index_select(0, index), g.index_select(0, index))
             g = g.index_copy(0, index, g_next)
-            drafts.append(drafts[-1].index_copy(0, index, self._draft_tokens(g_next, jobs, live, gumbels, j)))
+            if gumbel is None:
+                token = self.head.draft_tokens(g_next)
+            else:
+                token = self.head.draft_tokens(g_next, scale.index_select(0, index), gumbel[j].index_select(0, index))
+            drafts.append(drafts[-1].index_copy(0, index, token))
         return torch.stack(drafts, dim=1).tolist()  # the one host sync of the proposal
 
-    def _draft_tokens(self, g: torch.Tensor, jobs: Sequence[DraftJob], rows: list[int],
-                      gumbels: Sequence[torch.Tensor | None], j: int) -> torch.Tensor:
-        """Draft ``j`` of the jobs ``rows`` (``g``'s rows, in order): greedy, or drawn where a
-        job samples."""
-        if all(gumbels[i] is None for i in rows):
-            return self.head.draft_tokens(g)
-        scale, gumbel = self.draw_inputs([jobs[i] for i in rows], [gumbels[i] for i in rows], j)
-        return self.head.draft_tokens(g, scale, gumbel)
-
-    def draw_inputs(self, jobs: Sequence[DraftJob], gumbels: Sequence[torch.Tensor | None], j: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale [N], gumbel [N, V'])`` for draft ``j`` of ``jobs``: a greedy job's (or one
-        past its drafts) 1 and 0, a sampled one's 1 / temperature and its noise's row ``j``."""
-        width = self.draft_width
-        zero = torch.zeros(width, dtype=torch.float32, device=self.device)
-        gumbel = torch.stack([gu[j] if gu is not None and j < gu.shape[0] else zero for gu in gumbels])
-        scale = torch.tensor([job.scale if gu is not None else 1.0 for job, gu in zip(jobs, gumbels)],
-                             dtype=torch.float32).to(self.device)
-        return scale, gumbel
+    def draw_inputs(self, jobs: Sequence[DraftJob]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """None where every job drafts greedily, else ``(scale [N], gumbel [k, N, V'])``: a
+        sampled job's 1 / temperature and its noise as Gumbel noise over the draft vocabulary
+        (``argmax(p / E) == argmax(log p - log E)``), rows past its drafts 0; a greedy job's 1
+        and 0 (the plain argmax)."""
+        sampled = [i for i, job in enumerate(jobs) if job.noise is not None]
+        if not sampled:
+            return None
+        k = max(job.num_tokens for job in jobs)
+        self.num_sampled_drafts += sum(jobs[i].num_tokens for i in sampled)
+        noise = torch.cat([jobs[i].noise[:k] for i in sampled]).to(self.device, torch.float32)
+        ids = self.head.draft_vocab_ids()
+        if ids is not None:
+            noise = noise.index_select(1, ids.to(self.device))
+        noise = noise.log_().neg_()
+        gumbel = torch.zeros((len(jobs), k, noise.shape[1]), dtype=torch.float32, device=self.device)
+        offset = 0
+        for i in sampled:
+            rows = min(k, jobs[i].num_tokens)
+            gumbel[i, :rows] = noise[offset:offset + rows]
+            offset += min(k, jobs[i].noise.shape[0])
+        scale = to_device([job.scale if job.noise is not None else 1.0 for job in jobs], torch.float32, self.device)
+        return scale, gumbel.transpose(0, 1)
 
     @property
     def draft_width(self) -> int:
         """How many tokens a draft may take (the draft vocabulary's size, else the vocabulary's)."""
         ids = self.head.draft_vocab_ids()
         return int(self.head.vocab_size if ids is None else ids.numel())
-
-    def _gumbel(self, noise: torch.Tensor) -> torch.Tensor:
-        """Exponential noise ``[n, V]`` as Gumbel noise over the draft vocabulary ``[n, V']``:
-        ``argmax(p / E) == argmax(log p - log E)``."""
-        ids = self.head.draft_vocab_ids()
-        gumbel = -noise.to(self.device, torch.float32).log()
-        return gumbel if ids is None else gumbel.index_select(1, ids.to(self.device))
 
     def _pass(self, seqs: list[tuple[int, int, list[int]]], input_ids: list[int] | torch.Tensor,
               hidden: torch.Tensor, last_rows: bool = False) -> torch.Tensor:

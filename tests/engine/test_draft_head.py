@@ -336,13 +336,13 @@ def test_proposals_replay_emulated_draft_graphs(tiny, monkeypatch):
     compared = {"drafts": 0, "agree": 0, "padded": 0}
     run = drafter.graphs.run
 
-    def checked(jobs, states, tables, gumbels):
-        eager = drafter._eager_proposal(jobs, states, tables, gumbels)  # writes the same draft KV, same values
-        got = run(jobs, states, tables, gumbels).tolist()
-        for job, a, b, gu in zip(jobs, eager, got, gumbels):
+    def checked(jobs, states, tables, draws):
+        eager = drafter._eager_proposal(jobs, states, tables, draws)  # writes the same draft KV, same values
+        got = run(jobs, states, tables, draws).tolist()
+        for job, a, b in zip(jobs, eager, got):
             compared["drafts"] += job.num_tokens
             compared["agree"] += sum(x == y for x, y in zip(a[:job.num_tokens], b[:job.num_tokens]))
-            compared["sampled"] += job.num_tokens if gu is not None else 0
+            compared["sampled"] += job.num_tokens if job.noise is not None else 0
         compared["padded"] += len(jobs) not in drafter.graphs.sizes or any(j.num_tokens < K for j in jobs)
         return torch.tensor(got)
     compared["sampled"] = 0
