@@ -7,7 +7,8 @@ new one), draft_head_full_vocab (the head drafting over the whole vocabulary), d
 measured in the same run, the methods' order rotating prompt by prompt), tokens per engine step,
 drafts accepted, and whether the tokens are identical (they must be); with ``--batch B`` also
 all prompts at once in batches of B (output tokens per second of wall time, prefill included).
-``--temperature T`` samples instead of greedy, seeded (``--seed``), so identity still holds.
+``--temperature T`` samples instead of greedy, seeded (``--seed``), so identity still holds
+(``--seed -1``: unseeded, which pipelines on a GPU; identity is then not expected).
 
 Prompt classes (two prompts each, through the chat template): a table to convert to JSON
 (repetitive structure), a passage to summarise, code to edit (the answer repeats the code), open
@@ -132,7 +133,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=0, help="also all prompts at once, in batches of this size")
     parser.add_argument("--temperature", type=float, default=0.0, help="sample (seeded) at this temperature")
-    parser.add_argument("--seed", type=int, default=1, help="the requests' seed where --temperature > 0")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="the requests' seed where --temperature > 0; -1: unseeded (outputs then differ by chance)")
     parser.add_argument("--out", default=f"bench/results/spec-decode-cpu-{datetime.date.today()}.json")
     args = parser.parse_args()
 
@@ -157,7 +159,8 @@ def main() -> None:
             if m == "draft_head_greedy_drafts":
                 kw["speculative_draft_sampling"] = "greedy"
         llms[m] = LLM(model, max_num_seqs=max(8, args.batch), **kw)
-    seed = args.seed if args.temperature > 0 else None
+    seed = args.seed if args.temperature > 0 and args.seed >= 0 else None
+    comparable = args.temperature == 0 or seed is not None  # an unseeded draw differs run to run
     params = SamplingParams(temperature=args.temperature, seed=seed, max_tokens=max_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=8)
     for llm in llms.values():
@@ -244,6 +247,7 @@ def main() -> None:
                                             for m, e in engines.items() if m != "none"},
                        "pipelined_verify_steps": {m: e.num_pipelined_verify_steps for m, e in engines.items()},
                        "verify_graph_steps": {m: e.runner.num_verify_graph_steps for m, e in engines.items()},
+                       "pipelined_coupled_launches": {m: e.runner.num_noise_launches for m, e in engines.items()},
                        "verify_graphs": {m: e.runner.verify_graph_status.describe() for m, e in engines.items()
                                          if m.startswith("draft_head")},
                        "sync_steps": {m: e.num_sync_steps for m, e in engines.items()},
@@ -262,7 +266,8 @@ def main() -> None:
         "pooled": {**{f"{m}_decode_tok_s": round(pooled_rate[m], 2) for m in methods},
                    **{f"speedup_{m}": round(pooled_rate[m] / pooled_rate["none"], 3) for m in methods[1:]},
                    **{f"{m}_tokens_per_step": round(pooled[m][0] / pooled[m][2], 3) for m in methods}},
-        "all_identical": all(r["identical_tokens"] for r in rows.values()) and batch_rows.get("identical_tokens", True),
+        "all_identical": (all(r["identical_tokens"] for r in rows.values()) and batch_rows.get("identical_tokens", True))
+        if comparable else "unseeded sampling: not comparable",
     }
     if args.tiny:
         result["note"] = "tiny random model and head: checks the script, measures nothing"

@@ -273,7 +273,8 @@ class DraftHeadGraphs:
     @torch.inference_mode()
     def run_after_verify(self, tables: torch.Tensor, base: torch.Tensor, inputs: torch.Tensor,
                          targets: torch.Tensor, hidden: torch.Tensor, live: torch.Tensor | None = None,
-                         replay: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         replay: bool = True, draws: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Accept a verify step's drafts and draft the next ones, for ``n`` requests, from values
         on the device alone (pipelined speculative decoding): ``tables [n, W]`` their block
         tables, ``base [n]`` the verify step's first position, ``inputs [n, k + 1]`` its input
@@ -288,12 +289,18 @@ class DraftHeadGraphs:
         The first pass covers the positions ``base + 1 .. base + accepted + 1`` (the accepted
         drafts, then ``token``), each reading the verify row before it (``last_rows`` names the
         newest), exactly the pending positions of ``run``; rows past them write nowhere. The rows
-        come from one kernel (``Ops.spec_accept_draft_rows``)."""
+        come from one kernel (``Ops.spec_accept_draft_rows``). ``draws`` (replayed only; see
+        ``run``): the sampled requests draw their drafts with the next verify step's noise."""
         n = base.shape[0]
         size = next(s for s in self.sizes if s >= n)
         r = self.rows
         if replay:
             self.neutral()
+            if self.draws and draws is not None:
+                scale, gumbel = draws
+                self.gumbel[:gumbel.shape[0], :n].copy_(gumbel)
+                self.scale[:n].copy_(scale)
+                self._drawn = True
         accepted, token = self.ops.spec_accept_draft_rows(
             inputs, targets, base, live, tables, self.drafter.block_size, self.first_ids[:size * r],
             self.first_positions[:size * r], self.first_seq_lens[:size * r], self.first_slots[:size * r],

@@ -277,6 +277,20 @@ class DraftHeadRunner:
         scale = to_device([job.scale if job.noise is not None else 1.0 for job in jobs], torch.float32, self.device)
         return scale, gumbel.transpose(0, 1)
 
+    def draws_from_noise(self, noise: torch.Tensor, scales: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale [N], gumbel [k, N, V'])`` (as ``draw_inputs``) for ``N`` requests that each
+        draft ``k`` tokens, from their verify rows' noise ``[N, >= k, V]`` drawn ahead and their
+        ``scales`` (1 / temperature; 0: greedy, its gumbel 0)."""
+        k = self.graphs.k if self.graphs is not None else noise.shape[1] - 1
+        ids = self.head.draft_vocab_ids()
+        rows = noise[:, :k]
+        if ids is not None:
+            rows = rows.index_select(2, ids.to(self.device))
+        sampled = to_device([1.0 if s > 0 else 0.0 for s in scales], torch.float32, self.device)
+        gumbel = rows.log().neg_().mul_(sampled[:, None, None])
+        scale = to_device([s if s > 0 else 1.0 for s in scales], torch.float32, self.device)
+        return scale, gumbel.transpose(0, 1)
+
     @property
     def draft_width(self) -> int:
         """How many tokens a draft may take (the draft vocabulary's size, else the vocabulary's)."""

@@ -45,6 +45,9 @@ class VerifyLaunch:
     #: the event after the copy (None on a CPU, where everything has run).
     host: torch.Tensor
     done: torch.cuda.Event | None
+    #: The next verify step's draw noise ``[n, k + 1, V]`` (drawn here, unseeded), which the
+    #: sampled requests' next drafts were drawn with; None where none samples coupled.
+    next_noise: torch.Tensor | None = None
 
 
 #: Allocates KV storage ``[num_blocks, num_layers, *block_shape]`` per group (e.g. in shared memory
@@ -81,6 +84,8 @@ class ModelRunner:
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.num_verify_graph_steps = 0
+        #: Pipelined verify launches that drew the next step's noise for coupled drafts.
+        self.num_noise_launches = 0
         #: Verify steps of a model with ``state`` KV groups (updated in place): per group, rows for
         #: the verified positions' states (``enable_verify_states``), None for other groups.
         self.verify_states: list[torch.Tensor | None] | None = None
@@ -240,12 +245,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_verify(self, tables: np.ndarray, rows: list[SamplingRow], inputs: torch.Tensor,
-                      base: torch.Tensor) -> VerifyLaunch:
+                      base: torch.Tensor, draw_scales: list[float] | None = None) -> VerifyLaunch:
         """A verify step of ``n`` requests (``can_launch_verify``; see ``verify_on_device``),
         without waiting for the GPU: greedy batches replay one verify-step graph, others replay
         the decode and draft graphs with their sampling and acceptance launched between.
         ``tables [n, W]``: the requests' blocks (their one full-attention group), covering every
-        position written; ``rows``: the rows' sampling, request by request."""
+        position written; ``rows``: the rows' sampling, request by request. ``draw_scales`` (per
+        request 1 / temperature, 0 for greedy): the next step's noise is drawn here (unseeded) and
+        the head's next drafts of the sampled requests are drawn with it (``next_noise``)."""
         assert self.graphs is not None and self.drafter is not None and self.drafter.graphs is not None
         n = inputs.shape[0]
         table = stage(np.ascontiguousarray(tables, dtype=np.int32), self.device)
@@ -255,9 +262,16 @@ class ModelRunner:
             out.last_hidden = out.last_hidden.clone()  # the graph's buffer: its next replay overwrites it
             self.num_verify_graph_steps += 1
         else:
+            next_noise = draws = None
+            if draw_scales is not None and self.drafter.graphs.draws:
+                next_noise = self.sampler.unseeded_noise((n, inputs.shape[1]))
+                draws = self.drafter.draws_from_noise(next_noise, draw_scales)
+                self.num_noise_launches += 1
             out = verify_on_device(self.graphs, self.drafter.graphs, self.model, table, inputs, base,
-                                   lambda logits: self.sampler.sample_tokens(logits, rows))
+                                   lambda logits: self.sampler.sample_tokens(logits, rows), draws=draws)
             self.num_graph_steps += 1
+            self.drafter.count_device_proposal(n)
+            return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))), next_noise)
         self.drafter.count_device_proposal(n)
         return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))))
 

@@ -137,6 +137,12 @@ class Sampler:
             noise[j].exponential_(generator=self._generator_for(row))
         return noise
 
+    def unseeded_noise(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Exponential noise ``[*shape, V]`` from the engine's generator, for unseeded rows drawn
+        ahead (``SamplingRow.noise``)."""
+        noise = torch.empty((*shape, self.vocab_size), dtype=torch.float32, device=self.device)
+        return noise.exponential_(generator=self._unseeded)
+
     def _generator_for(self, row: SamplingRow) -> torch.Generator:
         seed = row.params.seed
         if seed is None:

@@ -18,6 +18,12 @@ and its head's chained passes) and frees the rest once it reads how far they wen
 state on the host is left at the newest token (``DraftHeadRunner.resume``), so a synchronous step
 can take over at any point.
 
+Sampled requests' drafts stay coupled to their draws (``speculative_draft_sampling="coupled"``):
+each launch draws the next step's noise for every verify row from the engine's generator, the
+head's next drafts for the sampled requests are drawn with it, and the next launch hands it to
+those rows' draws (``SamplingRow.noise``); an epoch's first launch uses the noise its host
+proposal was drawn with.
+
 A step is launched this way while every running request verifies ``k`` drafts (an epoch starts
 after a synchronous proposal), samples without host data (greedy or unseeded; no penalties,
 logprobs or pending ``min_tokens``), has room for two more steps within ``max_model_len``, gets
@@ -108,7 +114,10 @@ class SpecPipelining:
         inputs = np.array([[r.all_token_ids[-1], *r.spec_token_ids] for r in requests], dtype=np.int64)
         base = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
         dev = self.runner.device
-        if not self._launch_verify(requests, stage(inputs, dev), stage(base, dev)):
+        noise = None
+        if any(r.spec_noise is not None for r in requests):  # coupled drafts proposed on the host
+            noise = [r.spec_noise for r in requests]
+        if not self._launch_verify(requests, stage(inputs, dev), stage(base, dev), noise):
             return False
         self._begin(sched)
         return True
@@ -121,17 +130,21 @@ class SpecPipelining:
         k = self.model_config.num_speculative_tokens
         if step is None or not self._verify_ready(step.requests, 3 * k + 2):
             return False
-        if not self._launch_verify(step.requests, step.launch.outputs.next_inputs, step.launch.outputs.next_base):
+        if not self._launch_verify(step.requests, step.launch.outputs.next_inputs, step.launch.outputs.next_base,
+                                   step.launch.next_noise):
             return False
         # the host does not know the step's positions: record where the step in flight starts
         self.last_step = [(r.request_id, r.num_computed_tokens, k + 1) for r in step.requests]
         return True
 
-    def _launch_verify(self, requests: list[Request], inputs: torch.Tensor, base: torch.Tensor) -> bool:
+    def _launch_verify(self, requests: list[Request], inputs: torch.Tensor, base: torch.Tensor,
+                       noise: Sequence[torch.Tensor | None] | torch.Tensor | None = None) -> bool:
         """Launch a verify step, then read the one in flight. False where the launch failed: the
         step in flight is read, and verify steps run synchronously from then on (where a failure
         in the draft head costs a step its acceptance, never a request), said in the log,
-        ``/v1/backends`` and the gauge ``spec_decode_pipelined``."""
+        ``/v1/backends`` and the gauge ``spec_decode_pipelined``. ``noise``: per request, the
+        draw noise of its verify rows that its drafts were drawn with (coupled drafts); the
+        sampled requests' next drafts are drawn likewise with noise drawn at this launch."""
         previous = self._verify_in_flight
         k = self.model_config.num_speculative_tokens
         tables = self.kv.block_tables
@@ -139,9 +152,18 @@ class SpecPipelining:
         table = np.zeros((len(rows), max(len(t) for t in rows)), dtype=np.int32)
         for i, t in enumerate(rows):
             table[i, :len(t)] = t
-        sampling = [row for r in requests for row in [self._sampling_row(r)] * (k + 1)]
+        sampling = [self._sampling_row(r) for r in requests for _ in range(k + 1)]  # unseeded: any position
+        if noise is not None:
+            for i in range(len(requests)):
+                if noise[i] is not None:
+                    for j in range(k + 1):
+                        sampling[i * (k + 1) + j].noise = noise[i][j]
+        scales = None
+        if self.model_config.speculative_draft_sampling == "coupled" and any(not q.sampling_params.greedy
+                                                                              for q in requests):
+            scales = [0.0 if q.sampling_params.greedy else 1.0 / q.sampling_params.temperature for q in requests]
         try:
-            launch = self.runner.launch_verify(table, sampling, inputs, base)
+            launch = self.runner.launch_verify(table, sampling, inputs, base, scales)
         except Exception as exc:  # noqa: BLE001 - the synchronous steps take over, and fail what must fail
             logger.exception("a pipelined verify step failed: verify steps run synchronously from now on")
             self._spec_pipelined = False

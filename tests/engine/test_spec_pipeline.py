@@ -136,6 +136,36 @@ def test_arrivals_aborts_and_sampling_free_every_block(tiny):  # noqa: F811
     assert engine._verify_in_flight is None and engine.kv.usage == 0.0 and not engine.runner.drafter.states
 
 
+def test_unseeded_sampling_pipelined_draws_coupled_drafts(tiny):  # noqa: F811
+    """Unseeded requests at temperature 1 pipeline their verify steps, and each launch draws the
+    next step's noise ahead, with which the head draws their next drafts on the device (coupled):
+    they are accepted far more often than the head's argmax, as on the synchronous path, and
+    every block is freed."""
+    prompts = train_prompts()[:4]
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    rate = {}
+    for mode in ("greedy", "coupled"):
+        llm = graph_llm(tiny, speculative_draft_sampling=mode)
+        engine = llm.engine
+        launch, drawn = engine.runner.launch_verify, []
+
+        def counted(*args, **kwargs):
+            out = launch(*args, **kwargs)
+            drawn.append(out.next_noise is not None)
+            return out
+        engine.runner.launch_verify = counted
+        outs = llm.generate(prompts, params)
+        assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+        assert engine.num_pipelined_verify_steps > 10
+        assert sum(drawn) == (len(drawn) if mode == "coupled" else 0)  # each launch drew the next step's noise
+        stats = engine.spec_stats
+        rate[mode] = stats.num_accepted_tokens / stats.num_draft_tokens
+        while engine.has_work():  # a step launched past the last token is read
+            engine.step()
+        assert engine._verify_in_flight is None and engine.kv.usage == 0.0 and not engine.runner.drafter.states
+    assert rate["coupled"] > 2 * rate["greedy"] + 0.05, rate
+
+
 def test_a_failing_pipelined_step_hands_over_to_synchronous_steps(tiny, monkeypatch):  # noqa: F811
     """A pipelined verify step that raises (a bug, memory): the step in flight is read, verify
     steps run synchronously from then on, said in /v1/backends and the gauge, and every output
