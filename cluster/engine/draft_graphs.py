@@ -134,12 +134,19 @@ class DraftHeadGraphs:
             return self.drafter.head.draft_tokens(g)
         return self.drafter.head.draft_tokens(g, self.scale[:size], self.gumbel[j, :size])
 
-    def neutral(self) -> None:
-        """Every request drafts greedily (after a proposal that sampled)."""
+    def neutral(self, draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Every request drafts greedily (after a proposal that sampled), or with ``draws``
+        (``DraftHeadRunner.draws_from_noise``: ``scale [n]``, ``gumbel [<= k, n, V']``) the
+        first ``n`` requests draw theirs (where the graphs draw at all)."""
         if self._drawn:
             self.scale.fill_(1.0)
             self.gumbel.zero_()
             self._drawn = False
+        if self.draws and draws is not None:
+            scale, gumbel = draws
+            self.gumbel[:gumbel.shape[0], :gumbel.shape[1]].copy_(gumbel)
+            self.scale[:scale.shape[0]].copy_(scale)
+            self._drawn = True
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -217,12 +224,7 @@ class DraftHeadGraphs:
         unused) for requests whose pending tokens (``states``, the newest included) fit; with
         ``draws`` (``DraftHeadRunner.draw_inputs``) the sampled jobs draw theirs."""
         n = len(jobs)
-        self.neutral()
-        if self.draws and draws is not None:
-            scale, gumbel = draws
-            self.gumbel[:gumbel.shape[0], :n].copy_(gumbel)
-            self.scale[:n].copy_(scale)
-            self._drawn = True
+        self.neutral(draws)
         size = next(s for s in self.sizes if s >= n)
         r, k, bs = self.rows, self.k, self.drafter.block_size
         chain = max(1, k - 1)
@@ -295,12 +297,7 @@ class DraftHeadGraphs:
         size = next(s for s in self.sizes if s >= n)
         r = self.rows
         if replay:
-            self.neutral()
-            if self.draws and draws is not None:
-                scale, gumbel = draws
-                self.gumbel[:gumbel.shape[0], :n].copy_(gumbel)
-                self.scale[:n].copy_(scale)
-                self._drawn = True
+            self.neutral(draws)
         accepted, token = self.ops.spec_accept_draft_rows(
             inputs, targets, base, live, tables, self.drafter.block_size, self.first_ids[:size * r],
             self.first_positions[:size * r], self.first_seq_lens[:size * r], self.first_slots[:size * r],

@@ -254,40 +254,29 @@ class DraftHeadRunner:
         return torch.stack(drafts, dim=1).tolist()  # the one host sync of the proposal
 
     def draw_inputs(self, jobs: Sequence[DraftJob]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """None where every job drafts greedily, else ``(scale [N], gumbel [k, N, V'])``: a
-        sampled job's 1 / temperature and its noise as Gumbel noise over the draft vocabulary
-        (``argmax(p / E) == argmax(log p - log E)``), rows past its drafts 0; a greedy job's 1
-        and 0 (the plain argmax)."""
+        """None where every job drafts greedily, else ``draws_from_noise`` of the jobs' noise for
+        their drafts (rows past a job's drafts, and a greedy job's, drawing nothing)."""
         sampled = [i for i, job in enumerate(jobs) if job.noise is not None]
         if not sampled:
             return None
         k = max(job.num_tokens for job in jobs)
         self.num_sampled_drafts += sum(jobs[i].num_tokens for i in sampled)
-        noise = torch.cat([jobs[i].noise[:k] for i in sampled]).to(self.device, torch.float32)
-        ids = self.head.draft_vocab_ids()
-        if ids is not None:
-            noise = noise.index_select(1, ids.to(self.device))
-        noise = noise.log_().neg_()
-        gumbel = torch.zeros((len(jobs), k, noise.shape[1]), dtype=torch.float32, device=self.device)
-        offset = 0
+        noise = torch.ones((len(jobs), k, self.head.vocab_size), dtype=torch.float32, device=self.device)  # -log 1 = 0
         for i in sampled:
             rows = min(k, jobs[i].num_tokens)
-            gumbel[i, :rows] = noise[offset:offset + rows]
-            offset += min(k, jobs[i].noise.shape[0])
-        scale = to_device([job.scale if job.noise is not None else 1.0 for job in jobs], torch.float32, self.device)
-        return scale, gumbel.transpose(0, 1)
+            noise[i, :rows] = jobs[i].noise[:rows]
+        return self.draws_from_noise(noise, [job.scale if job.noise is not None else 0.0 for job in jobs])
 
     def draws_from_noise(self, noise: torch.Tensor, scales: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale [N], gumbel [k, N, V'])`` (as ``draw_inputs``) for ``N`` requests that each
-        draft ``k`` tokens, from their verify rows' noise ``[N, >= k, V]`` drawn ahead and their
-        ``scales`` (1 / temperature; 0: greedy, its gumbel 0)."""
-        k = self.graphs.k if self.graphs is not None else noise.shape[1] - 1
+        """``(scale [N], gumbel [k, N, V'])`` for ``N`` requests drafting ``k`` tokens, from the
+        exponential noise of the target's draws at those positions ``[N, k, V]`` and their
+        ``scales`` (1 / temperature; 0: greedy, scale 1 and gumbel 0, the plain argmax): the
+        noise as Gumbel noise over the draft vocabulary (``argmax(p / E) == argmax(log p - log E)``)."""
         ids = self.head.draft_vocab_ids()
-        rows = noise[:, :k]
         if ids is not None:
-            rows = rows.index_select(2, ids.to(self.device))
-        sampled = to_device([1.0 if s > 0 else 0.0 for s in scales], torch.float32, self.device)
-        gumbel = rows.log().neg_().mul_(sampled[:, None, None])
+            noise = noise.index_select(2, ids.to(self.device))
+        sampled = to_device([s > 0 for s in scales], torch.bool, self.device)
+        gumbel = torch.where(sampled[:, None, None], noise.log().neg_(), 0.0)
         scale = to_device([s if s > 0 else 1.0 for s in scales], torch.float32, self.device)
         return scale, gumbel.transpose(0, 1)
 

@@ -265,7 +265,7 @@ class ModelRunner:
             next_noise = draws = None
             if draw_scales is not None and self.drafter.graphs.draws:
                 next_noise = self.sampler.unseeded_noise((n, inputs.shape[1]))
-                draws = self.drafter.draws_from_noise(next_noise, draw_scales)
+                draws = self.drafter.draws_from_noise(next_noise[:, :-1], draw_scales)  # the bonus row drafts nothing
                 self.num_noise_launches += 1
             out = verify_on_device(self.graphs, self.drafter.graphs, self.model, table, inputs, base,
                                    lambda logits: self.sampler.sample_tokens(logits, rows), draws=draws)

@@ -116,13 +116,7 @@ class Sampler:
             p.min_p > 0 for p in params) else None
         sub = self.filter_fn(sub, top_k, top_p, min_p)
         probs = sub.softmax(-1)
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            ahead = rows[i].noise
-            if ahead is not None:
-                noise[j].copy_(ahead)
-            else:
-                noise[j].exponential_(generator=self._generator_for(rows[i]))
+        noise = self._fill_noise(torch.empty_like(probs), [rows[i] for i in random_rows])
         tokens.index_copy_(0, index, sample_with_noise_ref(probs, noise))
         return tokens
 
@@ -132,9 +126,17 @@ class Sampler:
         generator): drawn ahead, a draft sampled with a position's noise is the token the target
         draws there wherever their distributions agree (``SamplingRow.noise`` hands it to the
         draw)."""
-        noise = torch.empty((len(rows), self.vocab_size), dtype=torch.float32, device=self.device)
+        return self._fill_noise(torch.empty((len(rows), self.vocab_size), dtype=torch.float32, device=self.device),
+                                rows)
+
+    def _fill_noise(self, noise: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Row ``j`` of ``noise`` the exponential noise ``rows[j]`` draws with: its noise drawn
+        ahead, else from its generator (``_generator_for``)."""
         for j, row in enumerate(rows):
-            noise[j].exponential_(generator=self._generator_for(row))
+            if row.noise is not None:
+                noise[j].copy_(row.noise)
+            else:
+                noise[j].exponential_(generator=self._generator_for(row))
         return noise
 
     def unseeded_noise(self, shape: tuple[int, ...]) -> torch.Tensor:
