@@ -295,6 +295,19 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(counts, expected).pvalue)
 
 
+def assert_follow(outs, p2: np.ndarray, p23: np.ndarray) -> None:
+    """The first and first two verified tokens of ``outs`` (after the prefill's) follow the
+    model's ``P(t2)`` and ``P(t2, t3)`` (chi-square, p > 1e-3)."""
+    firsts = np.zeros(VOCAB)
+    pairs = np.zeros((VOCAB, VOCAB))
+    for o in outs:
+        t = o.outputs[0].token_ids
+        firsts[t[1]] += 1
+        pairs[t[1], t[2]] += 1
+    assert chi_square_p(firsts, p2) > 1e-3
+    assert chi_square_p(pairs, p23) > 1e-3
+
+
 def test_unseeded_sampling_keeps_the_target_distribution(tiny_vocab_dir):
     """20,000 unseeded requests at temperature 1, speculating 2 random drafts per step: the
     distribution of the first token and of the first two tokens the verify step produces equals
@@ -309,14 +322,7 @@ def test_unseeded_sampling_keeps_the_target_distribution(tiny_vocab_dir):
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     outs = [o for _ in range(n // 1000) for o in llm.generate([prompt] * 1000, params)]
     assert llm.engine.spec_stats.num_accepted_tokens > n // 10  # drafts are accepted at times
-    firsts = np.zeros(VOCAB)
-    pairs = np.zeros((VOCAB, VOCAB))
-    for o in outs:
-        t = o.outputs[0].token_ids
-        firsts[t[1]] += 1
-        pairs[t[1], t[2]] += 1
-    assert chi_square_p(firsts, p2) > 1e-3
-    assert chi_square_p(pairs, p23) > 1e-3
+    assert_follow(outs, p2, p23)
     # power: a 1% shift of mass onto one token is detected at this many trials
     biased = p2 * 0.99
     biased[int(np.argmin(p2))] += 0.01
@@ -347,14 +353,7 @@ def test_drafts_drawn_with_the_targets_noise_keep_the_target_distribution(tiny_v
     outs = [o for _ in range(n // 1000) for o in llm.generate([prompt] * 1000, params)]
     assert llm.engine.runner.drafter.num_sampled_drafts > n
     assert llm.engine.spec_stats.num_accepted_tokens > n // 5  # drawn drafts are accepted often
-    firsts = np.zeros(VOCAB)
-    pairs = np.zeros((VOCAB, VOCAB))
-    for o in outs:
-        t = o.outputs[0].token_ids
-        firsts[t[1]] += 1
-        pairs[t[1], t[2]] += 1
-    assert chi_square_p(firsts, p2) > 1e-3
-    assert chi_square_p(pairs, p23) > 1e-3
+    assert_follow(outs, p2, p23)
 
 
 def test_seeded_requests_equal_their_non_speculative_output_exactly(tiny_vocab_dir):
