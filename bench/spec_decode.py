@@ -8,7 +8,7 @@ measured in the same run, the methods' order rotating prompt by prompt), tokens 
 drafts accepted, and whether the tokens are identical (they must be); with ``--batch B`` also
 all prompts at once in batches of B (output tokens per second of wall time, prefill included).
 ``--temperature T`` samples instead of greedy, seeded (``--seed``), so identity still holds
-(``--seed -1``: unseeded, which pipelines on a GPU; identity is then not expected).
+(``--seed -1``: unseeded; identity is then not expected). Both pipeline on a GPU.
 
 Prompt classes (two prompts each, through the chat template): a table to convert to JSON
 (repetitive structure), a passage to summarise, code to edit (the answer repeats the code), open
@@ -248,6 +248,7 @@ def main() -> None:
                        "pipelined_verify_steps": {m: e.num_pipelined_verify_steps for m, e in engines.items()},
                        "verify_graph_steps": {m: e.runner.num_verify_graph_steps for m, e in engines.items()},
                        "pipelined_coupled_launches": {m: e.runner.num_noise_launches for m, e in engines.items()},
+                       "pipelined_seeded_launches": {m: e.runner.num_seeded_launches for m, e in engines.items()},
                        "verify_graphs": {m: e.runner.verify_graph_status.describe() for m, e in engines.items()
                                          if m.startswith("draft_head")},
                        "sync_steps": {m: e.num_sync_steps for m, e in engines.items()},

@@ -275,7 +275,8 @@ class DraftHeadGraphs:
     @torch.inference_mode()
     def run_after_verify(self, tables: torch.Tensor, base: torch.Tensor, inputs: torch.Tensor,
                          targets: torch.Tensor, hidden: torch.Tensor, live: torch.Tensor | None = None,
-                         replay: bool = True, draws: tuple[torch.Tensor, torch.Tensor] | None = None
+                         replay: bool = True, draws: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Accept a verify step's drafts and draft the next ones, for ``n`` requests, from values
         on the device alone (pipelined speculative decoding): ``tables [n, W]`` their block
@@ -292,7 +293,10 @@ class DraftHeadGraphs:
         drafts, then ``token``), each reading the verify row before it (``last_rows`` names the
         newest), exactly the pending positions of ``run``; rows past them write nowhere. The rows
         come from one kernel (``Ops.spec_accept_draft_rows``). ``draws`` (replayed only; see
-        ``run``): the sampled requests draw their drafts with the next verify step's noise."""
+        ``run``): the sampled requests draw their drafts with the next verify step's noise.
+        ``window`` (replayed only: ``gumbel [L, n, V']``, ``start [n]``, ``rows [n]`` bool) the
+        requests of ``rows`` (seeded, whose noise depends on the position the acceptance sets)
+        draw draft ``j`` with ``gumbel[start + accepted + j]`` instead."""
         n = base.shape[0]
         size = next(s for s in self.sizes if s >= n)
         r = self.rows
@@ -303,6 +307,12 @@ class DraftHeadGraphs:
             self.first_positions[:size * r], self.first_seq_lens[:size * r], self.first_slots[:size * r],
             self.last_rows[:size], self.chain_positions[:, :size], self.chain_seq_lens[:, :size],
             self.chain_slots[:, :size], self.tables[:size])
+        if replay and window is not None and self._drawn:
+            gumbel, start, rows = window
+            index = (start + accepted)[None, :] + torch.arange(self.k, device=start.device)[:, None]  # [k, n]
+            chosen = gumbel.gather(0, index[:, :, None].expand(-1, -1, gumbel.shape[2]))
+            drawn = self.gumbel[:, :n]
+            drawn.copy_(torch.where(rows[None, :, None], chosen, drawn))
         self.first_hidden[:n * r].copy_(hidden)
         if not replay:
             return self.forward(size)[:n], accepted, token

@@ -404,8 +404,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         if graphs is not None and not graphs.draws:
             out += f"; {graphs.draws_reason}"
         if self._spec_pipelined:
-            out += ("; a pipelined verify step draws the next step's noise (unseeded) and the head's next drafts "
-                    "with it on the device")
+            out += ("; a pipelined verify step draws the next step's noise (unseeded; seeded requests' is handed "
+                    "over for the positions the step may start from) and the head's next drafts with it on the device")
         return out
 
     def metrics(self) -> dict[str, float]:

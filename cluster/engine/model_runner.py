@@ -50,6 +50,26 @@ class VerifyLaunch:
     next_noise: torch.Tensor | None = None
 
 
+@dataclass
+class SeededWindow:
+    """Seeded requests in a pipelined verify step (``ModelRunner.launch_verify``), whose draw
+    noise is a function of the output position, which the host does not know there: ``noise
+    [n, L, V]`` each request's noise at ``L`` output positions from one the host knows (zeros
+    for the others), ``offset [n]`` (on the device) where in it the step's first verified position
+    lies (the accepted drafts of the step in flight, plus one; 0 when the host knows the
+    position), ``seeded [n]`` which requests are seeded. The step's rows draw with
+    ``noise[i, offset + j]``; a coupled head's next drafts with ``noise[i, offset + accepted + 1 + j]``."""
+
+    noise: torch.Tensor
+    offset: torch.Tensor
+    seeded: list[bool]
+
+    def verify_noise(self, rows: int) -> torch.Tensor:
+        """``[n, rows, V]`` the step's rows' noise."""
+        index = self.offset[:, None] + torch.arange(rows, device=self.offset.device)
+        return self.noise.gather(1, index[:, :, None].expand(-1, -1, self.noise.shape[2]))
+
+
 #: Allocates KV storage ``[num_blocks, num_layers, *block_shape]`` per group (e.g. in shared memory
 #: so a transfer backend can move it): (specs, num_blocks, device, dtypes) -> tensors.
 KVAllocator = Callable[[list[KVGroupSpec], list[int], torch.device, list[torch.dtype]], list[torch.Tensor]]
@@ -84,8 +104,10 @@ class ModelRunner:
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.num_verify_graph_steps = 0
-        #: Pipelined verify launches that drew the next step's noise for coupled drafts.
+        #: Pipelined verify launches that drew the next step's noise for coupled drafts, and
+        #: that had seeded requests (``SeededWindow``).
         self.num_noise_launches = 0
+        self.num_seeded_launches = 0
         #: Verify steps of a model with ``state`` KV groups (updated in place): per group, rows for
         #: the verified positions' states (``enable_verify_states``), None for other groups.
         self.verify_states: list[torch.Tensor | None] | None = None
@@ -245,14 +267,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_verify(self, tables: np.ndarray, rows: list[SamplingRow], inputs: torch.Tensor,
-                      base: torch.Tensor, draw_scales: list[float] | None = None) -> VerifyLaunch:
+                      base: torch.Tensor, draw_scales: list[float] | None = None,
+                      seeded: SeededWindow | None = None) -> VerifyLaunch:
         """A verify step of ``n`` requests (``can_launch_verify``; see ``verify_on_device``),
         without waiting for the GPU: greedy batches replay one verify-step graph, others replay
         the decode and draft graphs with their sampling and acceptance launched between.
         ``tables [n, W]``: the requests' blocks (their one full-attention group), covering every
         position written; ``rows``: the rows' sampling, request by request. ``draw_scales`` (per
         request 1 / temperature, 0 for greedy): the next step's noise is drawn here (unseeded) and
-        the head's next drafts of the sampled requests are drawn with it (``next_noise``)."""
+        the head's next drafts of the sampled requests are drawn with it (``next_noise``);
+        ``seeded``: the seeded requests' rows draw, and their next drafts are drawn, with the
+        noise of their positions, chosen on the device."""
         assert self.graphs is not None and self.drafter is not None and self.drafter.graphs is not None
         n = inputs.shape[0]
         table = stage(np.ascontiguousarray(tables, dtype=np.int32), self.device)
@@ -262,13 +287,24 @@ class ModelRunner:
             out.last_hidden = out.last_hidden.clone()  # the graph's buffer: its next replay overwrites it
             self.num_verify_graph_steps += 1
         else:
-            next_noise = draws = None
+            next_noise = draws = window = None
+            r = inputs.shape[1]
+            if seeded is not None:
+                noise = seeded.verify_noise(r)
+                for i in (i for i, s in enumerate(seeded.seeded) if s):
+                    for j in range(r):
+                        rows[i * r + j].noise = noise[i, j]
+                self.num_seeded_launches += 1
             if draw_scales is not None and self.drafter.graphs.draws:
-                next_noise = self.sampler.unseeded_noise((n, inputs.shape[1]))
+                next_noise = self.sampler.unseeded_noise((n, r))
                 draws = self.drafter.draws_from_noise(next_noise[:, :-1], draw_scales)  # the bonus row drafts nothing
+                if seeded is not None:
+                    _, gumbel = self.drafter.draws_from_noise(seeded.noise, draw_scales)
+                    window = (gumbel, seeded.offset + 1, to_device(seeded.seeded, torch.bool, self.device))
                 self.num_noise_launches += 1
             out = verify_on_device(self.graphs, self.drafter.graphs, self.model, table, inputs, base,
-                                   lambda logits: self.sampler.sample_tokens(logits, rows), draws=draws)
+                                   lambda logits: self.sampler.sample_tokens(logits, rows), draws=draws,
+                                   window=window)
             self.num_graph_steps += 1
             self.drafter.count_device_proposal(n)
             return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))), next_noise)

@@ -79,6 +79,9 @@ class Request:
     #: noise at each verified position ``[len(spec_token_ids) + 1, V]`` (``Sampler.position_noise``),
     #: which the drafts were drawn with and the verify step draws with. None otherwise.
     spec_noise: Any = None
+    #: A seeded request's draw noise by output position, drawn ahead for pipelined verify steps
+    #: (``Sampler.seeded_noise``; positions behind the request are dropped as it advances).
+    seeded_noise: dict[int, Any] = field(default_factory=dict)
     #: This request's speculation (verify steps, draft tokens, accepted ones in all and per draft
     #: position), counted by the engine's ``SpecDecodeStats.record``; None until its first verify
     #: step. Reported in its RequestOutput.metrics.

@@ -145,12 +145,28 @@ class Sampler:
         noise = torch.empty((*shape, self.vocab_size), dtype=torch.float32, device=self.device)
         return noise.exponential_(generator=self._unseeded)
 
-    def _generator_for(self, row: SamplingRow) -> torch.Generator:
+    def seeded_noise(self, row: SamplingRow, positions: range, cache: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """The exponential noise ``[V]`` a seeded row draws with at each output position of
+        ``positions`` (whatever its own position), the same values ``_draw`` takes there; kept in
+        ``cache`` (position -> noise), from which positions before ``positions`` are dropped."""
+        assert row.params.seed is not None
+        for old in [q for q in cache if q < positions.start]:
+            del cache[old]
+        for position in positions:
+            if position not in cache:
+                noise = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
+                cache[position] = noise.exponential_(generator=self._generator_for(row, position))
+        return [cache[position] for position in positions]
+
+    def _generator_for(self, row: SamplingRow, position: int | None = None) -> torch.Generator:
+        """``row``'s generator: seeded, one seeded by (seed, sample index, output position:
+        ``position``, else the row's own); unseeded, the engine's."""
         seed = row.params.seed
         if seed is None:
             return self._unseeded
         gen = torch.Generator(device=self.device)
-        position = len(row.output_token_ids) + row.num_pending
+        if position is None:
+            position = len(row.output_token_ids) + row.num_pending
         gen.manual_seed(hash((seed, row.sample_index, position)) & 0x7FFF_FFFF_FFFF_FFFF)
         return gen
 

@@ -24,10 +24,19 @@ head's next drafts for the sampled requests are drawn with it, and the next laun
 those rows' draws (``SamplingRow.noise``); an epoch's first launch uses the noise its host
 proposal was drawn with.
 
+A seeded request draws with noise that is a function of the output position, and the host does
+not know a pipelined step's positions: they are ``O + a + 1 + j`` where ``O`` is where the step in
+flight starts (known) and ``a`` its accepted drafts (on the device). So each launch hands the
+device the request's noise at the ``3k + 2`` positions from ``O`` on (``Sampler.seeded_noise``,
+kept per request, a position drawn once), and the device picks its rows' noise, and (coupled)
+the next drafts' noise ``a'`` accepted drafts further (``SeededWindow``): the same draws as the
+synchronous steps, so seeded output is the non-speculative seeded output, token for token.
+
 A step is launched this way while every running request verifies ``k`` drafts (an epoch starts
-after a synchronous proposal), samples without host data (greedy or unseeded; no penalties,
-logprobs or pending ``min_tokens``), has room for two more steps within ``max_model_len``, gets
-its blocks, and nothing waits. Anything else (a new request, a finished one, an abort) first
+after a synchronous proposal), samples without host data (greedy or random, seeded or not: no
+penalties, logprobs or pending ``min_tokens``), has room for two more steps within
+``max_model_len``, gets its blocks, and nothing waits (and the seeded requests' noise windows fit
+in ``MAX_SEEDED_WINDOW_BYTES``). Anything else (a new request, a finished one, an abort) first
 completes the step in flight; the engine then runs synchronously until the next epoch starts.
 Tokens are those of the synchronous verify steps: the same draws, the same acceptance rule. A
 request that stops at step N has step N+1 computed for nothing (its blocks are freed; stream order
@@ -45,13 +54,17 @@ import torch
 from cluster.config import ModelConfig, SchedulerConfig
 from cluster.engine.cuda_graphs import stage
 from cluster.engine.kv_cache_manager import KVCacheManager
-from cluster.engine.model_runner import ModelRunner, VerifyLaunch
+from cluster.engine.model_runner import ModelRunner, SeededWindow, VerifyLaunch
 from cluster.engine.output_processor import RequestGroup
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.spec_decode import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
+
+#: The most a pipelined verify step's seeded noise windows may take (``3k + 2`` positions of the
+#: vocabulary per seeded request, float32); past it the batch's verify steps run synchronously.
+MAX_SEEDED_WINDOW_BYTES = 256 << 20
 
 
 @dataclass
@@ -87,9 +100,11 @@ class SpecPipelining:
                 or not self.runner.can_launch_verify(len(requests), k)):
             return False
         limit = self.scheduler_config.max_model_len - (3 * k + 2)
+        if any(_seeded(r) for r in requests) and len(requests) * (3 * k + 2) * self.runner.sampler.vocab_size * 4 > MAX_SEEDED_WINDOW_BYTES:
+            return False
         for r in requests:
             p = r.sampling_params
-            if (r.status is not RequestStatus.RUNNING or r.num_computed_tokens > limit or p.seed is not None
+            if (r.status is not RequestStatus.RUNNING or r.num_computed_tokens > limit or r.num_pending
                     or p.logprobs is not None or p.has_penalties or r.num_output_tokens < p.min_tokens):
                 return False
             group = self._sample_group.get(r.request_id)
@@ -131,20 +146,23 @@ class SpecPipelining:
         if step is None or not self._verify_ready(step.requests, 3 * k + 2):
             return False
         if not self._launch_verify(step.requests, step.launch.outputs.next_inputs, step.launch.outputs.next_base,
-                                   step.launch.next_noise):
+                                   step.launch.next_noise, step.launch.outputs.accepted + 1):
             return False
         # the host does not know the step's positions: record where the step in flight starts
         self.last_step = [(r.request_id, r.num_computed_tokens, k + 1) for r in step.requests]
         return True
 
     def _launch_verify(self, requests: list[Request], inputs: torch.Tensor, base: torch.Tensor,
-                       noise: Sequence[torch.Tensor | None] | torch.Tensor | None = None) -> bool:
+                       noise: Sequence[torch.Tensor | None] | torch.Tensor | None = None,
+                       offset: torch.Tensor | None = None) -> bool:
         """Launch a verify step, then read the one in flight. False where the launch failed: the
         step in flight is read, and verify steps run synchronously from then on (where a failure
         in the draft head costs a step its acceptance, never a request), said in the log,
         ``/v1/backends`` and the gauge ``spec_decode_pipelined``. ``noise``: per request, the
         draw noise of its verify rows that its drafts were drawn with (coupled drafts); the
-        sampled requests' next drafts are drawn likewise with noise drawn at this launch."""
+        sampled requests' next drafts are drawn likewise with noise drawn at this launch.
+        ``offset [n]`` (on the device; None: 0): how far past the requests' output the step's first
+        position lies (the step in flight's accepted drafts + 1), for seeded requests' noise."""
         previous = self._verify_in_flight
         k = self.model_config.num_speculative_tokens
         tables = self.kv.block_tables
@@ -163,7 +181,8 @@ class SpecPipelining:
                                                                               for q in requests):
             scales = [0.0 if q.sampling_params.greedy else 1.0 / q.sampling_params.temperature for q in requests]
         try:
-            launch = self.runner.launch_verify(table, sampling, inputs, base, scales)
+            launch = self.runner.launch_verify(table, sampling, inputs, base, scales,
+                                               self._seeded_window(requests, offset))
         except Exception as exc:  # noqa: BLE001 - the synchronous steps take over, and fail what must fail
             logger.exception("a pipelined verify step failed: verify steps run synchronously from now on")
             self._spec_pipelined = False
@@ -178,6 +197,24 @@ class SpecPipelining:
         if previous is not None:
             self._complete_verify(previous)
         return True
+
+    def _seeded_window(self, requests: list[Request], offset: torch.Tensor | None) -> SeededWindow | None:
+        """The seeded requests' draw noise at the ``3k + 2`` output positions from the one the host
+        knows (``SeededWindow``); None where no request is seeded."""
+        seeded = [_seeded(r) for r in requests]
+        if not any(seeded):
+            return None
+        sampler = self.runner.sampler
+        length = 3 * self.model_config.num_speculative_tokens + 2
+        zeros = torch.zeros(sampler.vocab_size, dtype=torch.float32, device=sampler.device)
+        rows: list[torch.Tensor] = []
+        for r, s in zip(requests, seeded):
+            start = r.num_output_tokens
+            rows.extend(sampler.seeded_noise(self._sampling_row(r), range(start, start + length), r.seeded_noise)
+                        if s else [zeros] * length)
+        if offset is None:
+            offset = torch.zeros(len(requests), dtype=torch.int64, device=sampler.device)
+        return SeededWindow(torch.stack(rows).view(len(requests), length, -1), offset, seeded)
 
     def _complete_verify(self, step: InFlightVerify) -> None:
         """Read a pipelined verify step's tokens (waiting for it) and take them as a synchronous
@@ -196,7 +233,9 @@ class SpecPipelining:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted meanwhile: this step's tokens are dropped
             accepted = values[n * r + i]
-            self.spec_stats.record(k, accepted, request)
+            room = k if request.max_tokens is None else request.max_tokens - request.num_output_tokens - 1
+            if room > 0:  # drafts past max_tokens are none: a synchronous step would not propose them
+                self.spec_stats.record(min(k, room), min(accepted, room), request)
             for token in values[i * r:i * r + accepted + 1]:
                 self._take_token(request, token, None)
                 if request.status is not RequestStatus.RUNNING:
@@ -206,3 +245,8 @@ class SpecPipelining:
                 keep = computed + (2 * k + 1 if id(request) in ahead else 0)
                 self.scheduler.advance_verified(request, computed, keep)
                 self.runner.drafter.resume(request.request_id, computed, launch.outputs.last_hidden[i:i + 1])
+
+
+def _seeded(r: Request) -> bool:
+    """Whether ``r`` draws with seeded noise (``SeededWindow``)."""
+    return r.sampling_params.seed is not None and not r.sampling_params.greedy

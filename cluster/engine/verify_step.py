@@ -47,17 +47,19 @@ class VerifyOutputs:
 def verify_on_device(decode: DecodeGraphs, drafts: DraftHeadGraphs, model: Any, table: torch.Tensor,
                      inputs: torch.Tensor, base: torch.Tensor, sample: Callable[[torch.Tensor], torch.Tensor],
                      live: torch.Tensor | None = None, replay: bool = True,
-                     draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> VerifyOutputs:
+                     draws: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> VerifyOutputs:
     """A verify step of ``n`` requests: ``inputs [n, k + 1]`` (each one's last known token, then
     its drafts) at positions ``base [n]`` on, one decode row each, over ``table [n, W]`` (their
     blocks, covering every position written); ``sample`` turns the rows' logits into tokens; the
     drafts are accepted while they equal the target's tokens, then the head drafts ``k`` more
-    (sampled requests drawing theirs with ``draws``: ``DraftHeadRunner.draws_from_noise``)."""
+    (sampled requests drawing theirs with ``draws``: ``DraftHeadRunner.draws_from_noise``; the
+    seeded ones with their positions' noise from ``window``, see ``run_after_verify``)."""
     n, r = inputs.shape
     hidden = decode.run_on_device(inputs, base, table, live=live, replay=replay)  # [n * r, H]
     targets = sample(model.compute_logits(hidden)).view(n, r)
     proposal, accepted, token = drafts.run_after_verify(table, base, inputs, targets, hidden, live=live, replay=replay,
-                                                        draws=draws)
+                                                        draws=draws, window=window)
     last_hidden = hidden.index_select(0, drafts.last_rows[:n])  # each request's row at its newest position
     return VerifyOutputs(targets, accepted, torch.cat((token[:, None], proposal), dim=1), base + accepted + 1,
                          last_hidden)

@@ -74,11 +74,11 @@ def test_greedy_output_equals_no_speculation(tiny):  # noqa: F811
 
 
 def test_requests_that_need_host_data_and_the_context_limit(tiny):  # noqa: F811
-    """A seeded request and one with logprobs keep the batch synchronous while they run; a
+    """A request with penalties and one with logprobs keep the batch synchronous while they run; a
     request that runs into max_model_len leaves the pipeline for its last steps."""
     prompts = train_prompts()[:3] + [train_prompts()[4] * 3]
     params = [SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=4, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=6, presence_penalty=0.5, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=9, logprobs=2, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)]  # stops at max_model_len
     want = summary(plain(tiny, max_model_len=64).generate(prompts, params))
@@ -166,6 +166,37 @@ def test_unseeded_sampling_pipelined_draws_coupled_drafts(tiny):  # noqa: F811
     assert rate["coupled"] > 2 * rate["greedy"] + 0.05, rate
 
 
+@pytest.mark.parametrize("mode", ["coupled", "greedy"])
+def test_seeded_sampling_pipelined_equals_no_speculation(tiny, mode):  # noqa: F811
+    """Seeded requests pipeline their verify steps: each launch hands the device their noise at
+    the positions the step may start from, and the device picks it by the drafts the step in
+    flight accepted (``SeededWindow``). Their output is the non-speculative seeded output token
+    for token, beside greedy and unseeded requests, with n=2, a stop string and ``max_tokens``
+    inside an accepted run; coupled drafts are drawn with the positions' noise (accepted far more
+    often than the head's argmax); every block is freed."""
+    prompts = train_prompts()[:4]
+    params = [SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=13, n=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=36, ignore_eos=True)]
+    want = plain(tiny).generate(prompts, params)
+    text = want[3].outputs[0].text
+    params[3] = SamplingParams(temperature=1.0, seed=3, max_tokens=36, stop=[text[len(text) // 2:len(text) // 2 + 4]])
+    want = summary(plain(tiny).generate(prompts, params))
+    sync = graph_llm(tiny, pipelined=False, speculative_draft_sampling=mode)
+    assert summary(sync.generate(prompts, params)) == want
+    llm = graph_llm(tiny, speculative_draft_sampling=mode)
+    engine = llm.engine
+    assert summary(llm.generate(prompts, params)) == want
+    assert engine.num_pipelined_verify_steps >= 10
+    assert engine.runner.num_seeded_launches == engine.num_pipelined_verify_steps  # every batch had a seeded one
+    # the same drafts accepted as the synchronous steps, position by position
+    assert engine.spec_stats.accepted_per_pos == sync.engine.spec_stats.accepted_per_pos
+    while engine.has_work():
+        engine.step()
+    assert engine._verify_in_flight is None and engine.kv.usage == 0.0 and not engine.runner.drafter.states
+
+
 def test_a_failing_pipelined_step_hands_over_to_synchronous_steps(tiny, monkeypatch):  # noqa: F811
     """A pipelined verify step that raises (a bug, memory): the step in flight is read, verify
     steps run synchronously from then on, said in /v1/backends and the gauge, and every output
@@ -207,7 +238,8 @@ def test_ngram_verify_steps_stay_synchronous(tiny):  # noqa: F811
 def test_pipelined_verify_steps_on_the_gpu_equal_graph_decode(tmp_path):
     """On a GPU (float32, Triton attention, real CUDA graphs): verify steps launched from the
     device, acceptance and the head's proposal with no host read between steps, give the tokens
-    of pipelined graph decode without speculation, greedy, n samples and stops included."""
+    of pipelined graph decode without speculation, greedy, n samples and stops included, and
+    seeded sampling likewise."""
     path = str(tmp_path / "llama")
     make_checkpoint(path, "llama", seed=11, max_position_embeddings=1024)
     settings = dict(block_size=16, dtype="float32", max_num_seqs=8, max_model_len=512, attention_backend="triton")
@@ -231,4 +263,14 @@ def test_pipelined_verify_steps_on_the_gpu_equal_graph_decode(tmp_path):
     assert engine.runner.num_verify_graph_steps == engine.num_pipelined_verify_steps
     assert engine.runner.drafter.num_eager_proposals == 0 and engine.runner.num_eager_steps <= 4
     engine.step()
+    assert engine._verify_in_flight is None and engine.kv.usage == 0.0
+    # seeded sampling pipelines too, its noise picked on the device by the accepted drafts
+    seeded = [SamplingParams(temperature=1.0 if i % 2 else 0.7, seed=5 + i, max_tokens=40, ignore_eos=True)
+              for i in range(len(prompts))]
+    want = summary(base.generate(prompts, seeded))
+    steps, launches = engine.num_pipelined_verify_steps, engine.runner.num_seeded_launches
+    assert summary(llm.generate(prompts, seeded)) == want
+    assert engine.runner.num_seeded_launches - launches == engine.num_pipelined_verify_steps - steps >= 10
+    while engine.has_work():
+        engine.step()
     assert engine._verify_in_flight is None and engine.kv.usage == 0.0
