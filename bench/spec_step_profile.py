@@ -1,0 +1,127 @@
+"""Where a pipelined verify step's time goes, per draft mode (coupled drafts against the head's
+argmax), for sampled requests (seeded or not) on the embedded default model: per engine step, the
+host time of the launch (``ModelRunner.launch_verify``), the time waiting for the step in flight
+(its event), the host time taking its tokens, and the whole ``step()``; then torch.profiler's
+operators by host time and the GPU kernels by device time, per step.
+
+    python bench/spec_step_profile.py --model <SmolLM2 .gguf> --temperature 1.0 --out ...   # on the GPU machine
+    python bench/spec_step_profile.py --tiny      # a small random model and head: checks the script only
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import environment, write_result  # noqa: E402
+from bench.spec_decode import PROMPTS, tiny_model  # noqa: E402
+
+
+def median_ms(values: list[float]) -> float:
+    return round(1000 * statistics.median(values), 4) if values else 0.0
+
+
+def profile_mode(model: str, head: str, mode: str, temperature: float, seed: int | None, k: int,
+                 max_tokens: int, top: int) -> dict[str, Any]:
+    import torch
+
+    from cluster import LLM, SamplingParams
+    llm = LLM(model, max_num_seqs=8, speculative_method="draft_head", num_speculative_tokens=k,
+              speculative_model=head, speculative_draft_sampling=mode)
+    engine = llm.engine
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+    prompts = [p for ps in PROMPTS.values() for p in ps]
+    llm.chat([{"role": "user", "content": prompts[0]}], params)  # warm up every path
+    times: dict[str, list[float]] = {"launch": [], "wait": [], "take": [], "step": []}
+    launch, complete, step = engine.runner.launch_verify, engine._complete_verify, engine.step
+
+    def timed_launch(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        out = launch(*args, **kwargs)
+        times["launch"].append(time.perf_counter() - t)
+        return out
+
+    def timed_complete(flight: Any) -> None:
+        t = time.perf_counter()
+        if flight.launch.done is not None:
+            flight.launch.done.synchronize()
+        t1 = time.perf_counter()
+        complete(flight)
+        times["wait"].append(t1 - t)
+        times["take"].append(time.perf_counter() - t1)
+
+    def timed_step() -> Any:
+        t = time.perf_counter()
+        out = step()
+        times["step"].append(time.perf_counter() - t)
+        return out
+    engine.runner.launch_verify, engine._complete_verify, engine.step = timed_launch, timed_complete, timed_step
+    pipelined0 = engine.num_pipelined_verify_steps
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        outs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in prompts]
+    wall = time.perf_counter() - start
+    steps = max(1, len(times["step"]))
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    averages = prof.key_averages()
+    by_host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    device_attr = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+    by_device = sorted(averages, key=lambda e: getattr(e, device_attr, 0), reverse=True)[:top]
+    stats = engine.spec_stats
+    return {
+        "mode": mode, "steps": len(times["step"]), "pipelined_verify_steps": engine.num_pipelined_verify_steps - pipelined0,
+        "tokens": tokens, "tokens_per_step": round(tokens / steps, 3), "wall_s_profiled": round(wall, 3),
+        "acceptance": round(stats.num_accepted_tokens / stats.num_draft_tokens, 3) if stats.num_draft_tokens else 0.0,
+        "median_ms": {name: median_ms(v) for name, v in times.items()},
+        "mean_ms": {name: round(1000 * sum(v) / len(v), 4) if v else 0.0 for name, v in times.items()},
+        "host_ops_per_step": [{"op": e.key, "calls": round(e.count / steps, 2),
+                               "self_host_us": round(e.self_cpu_time_total / steps, 1)} for e in by_host],
+        "device_kernels_per_step": [{"kernel": e.key[:120], "calls": round(e.count / steps, 2),
+                                     "self_device_us": round(getattr(e, device_attr, 0) / steps, 1)}
+                                    for e in by_device if getattr(e, device_attr, 0) > 0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--speculative-model", default=None, help="draft head weights (default: the shipped one)")
+    parser.add_argument("--tiny", action="store_true", help="a small random model and head (checks the script)")
+    parser.add_argument("--modes", default="greedy,coupled")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=1, help="-1: unseeded")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--out", default="bench/results/spec-step-profile.json")
+    args = parser.parse_args()
+    model, head = args.model, args.speculative_model
+    max_tokens = args.max_tokens
+    if args.tiny:
+        model, head = tiny_model()
+        max_tokens = 24
+    seed = None if args.seed < 0 else args.seed
+    rows = [profile_mode(model, head, m, args.temperature, seed, args.k, max_tokens, args.top)
+            for m in args.modes.split(",")]
+    for r in rows:
+        print(r["mode"], r["steps"], "steps", r["tokens_per_step"], "tokens/step", "median ms", r["median_ms"])
+        for op in r["host_ops_per_step"][:12]:
+            print("   host", op)
+        for kern in r["device_kernels_per_step"][:8]:
+            print("   device", kern)
+    write_result(args.out, {"bench": "spec-step-profile", "environment": environment(), "model": model,
+                            "sampling": f"temperature {args.temperature}, seed {seed}", "k": args.k,
+                            "max_tokens": max_tokens, "modes": rows})
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
