@@ -1,7 +1,8 @@
 """Where a pipelined verify step's time goes, per draft mode (coupled drafts against the head's
 argmax), for sampled requests (seeded or not) on the embedded default model: per engine step, the
 host time of the launch (``ModelRunner.launch_verify``), the time waiting for the step in flight
-(its event), the host time taking its tokens, and the whole ``step()``; then torch.profiler's
+(its event), the host time taking its tokens, and the whole ``step()``, with the engine's step
+counters (every prompt once, unprofiled); then every prompt again under torch.profiler: its
 operators by host time and the GPU kernels by device time, per step.
 
     python bench/spec_step_profile.py --model <SmolLM2 .gguf> --temperature 1.0 --out ...   # on the GPU machine
@@ -61,27 +62,46 @@ def profile_mode(model: str, head: str, mode: str, temperature: float, seed: int
         times["step"].append(time.perf_counter() - t)
         return out
     engine.runner.launch_verify, engine._complete_verify, engine.step = timed_launch, timed_complete, timed_step
-    pipelined0 = engine.num_pipelined_verify_steps
+    runner, drafter = engine.runner, engine.runner.drafter
+
+    def counters() -> dict[str, int]:
+        return {"pipelined_verify_steps": engine.num_pipelined_verify_steps, "sync_steps": engine.num_sync_steps,
+                "graph_steps": runner.num_graph_steps, "eager_steps": runner.num_eager_steps,
+                "verify_graph_steps": runner.num_verify_graph_steps, "seeded_launches": runner.num_seeded_launches,
+                "coupled_launches": runner.num_noise_launches, "head_graph_proposals": drafter.num_graph_proposals,
+                "head_eager_proposals": drafter.num_eager_proposals}
+
+    def run_all() -> tuple[int, float]:
+        start = time.perf_counter()
+        outs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in prompts]
+        return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start
+    # unprofiled first: the timings that count
+    before = counters()
+    tokens, wall = run_all()
+    after = counters()
+    plain = {"steps": len(times["step"]), "tokens": tokens, "wall_s": round(wall, 3),
+             "tokens_per_step": round(tokens / max(1, len(times["step"])), 3),
+             "counters": {name: after[name] - before[name] for name in after},
+             "median_ms": {name: median_ms(v) for name, v in times.items()},
+             "mean_ms": {name: round(1000 * sum(v) / len(v), 4) if v else 0.0 for name, v in times.items()}}
+    for v in times.values():
+        v.clear()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
-        outs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in prompts]
-    wall = time.perf_counter() - start
+        _, wall = run_all()
     steps = max(1, len(times["step"]))
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     averages = prof.key_averages()
     by_host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     device_attr = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
     by_device = sorted(averages, key=lambda e: getattr(e, device_attr, 0), reverse=True)[:top]
     stats = engine.spec_stats
     return {
-        "mode": mode, "steps": len(times["step"]), "pipelined_verify_steps": engine.num_pipelined_verify_steps - pipelined0,
-        "tokens": tokens, "tokens_per_step": round(tokens / steps, 3), "wall_s_profiled": round(wall, 3),
+        "mode": mode, "unprofiled": plain,
         "acceptance": round(stats.num_accepted_tokens / stats.num_draft_tokens, 3) if stats.num_draft_tokens else 0.0,
-        "median_ms": {name: median_ms(v) for name, v in times.items()},
-        "mean_ms": {name: round(1000 * sum(v) / len(v), 4) if v else 0.0 for name, v in times.items()},
+        "profiled": {"steps": len(times["step"]), "wall_s": round(wall, 3),
+                     "median_ms": {name: median_ms(v) for name, v in times.items()}},
         "host_ops_per_step": [{"op": e.key, "calls": round(e.count / steps, 2),
                                "self_host_us": round(e.self_cpu_time_total / steps, 1)} for e in by_host],
         "device_kernels_per_step": [{"kernel": e.key[:120], "calls": round(e.count / steps, 2),
@@ -112,7 +132,9 @@ def main() -> None:
     rows = [profile_mode(model, head, m, args.temperature, seed, args.k, max_tokens, args.top)
             for m in args.modes.split(",")]
     for r in rows:
-        print(r["mode"], r["steps"], "steps", r["tokens_per_step"], "tokens/step", "median ms", r["median_ms"])
+        u = r["unprofiled"]
+        print(r["mode"], u["steps"], "steps", u["tokens_per_step"], "tokens/step", u["wall_s"], "s; median ms",
+              u["median_ms"], "mean ms", u["mean_ms"], u["counters"])
         for op in r["host_ops_per_step"][:12]:
             print("   host", op)
         for kern in r["device_kernels_per_step"][:8]:
@@ -120,7 +142,6 @@ def main() -> None:
     write_result(args.out, {"bench": "spec-step-profile", "environment": environment(), "model": model,
                             "sampling": f"temperature {args.temperature}, seed {seed}", "k": args.k,
                             "max_tokens": max_tokens, "modes": rows})
-    print("wrote", args.out)
 
 
 if __name__ == "__main__":
