@@ -28,7 +28,7 @@ def median_ms(values: list[float]) -> float:
 
 
 def profile_mode(model: str, head: str, mode: str, temperature: float, seed: int | None, k: int,
-                 max_tokens: int, top: int) -> dict[str, Any]:
+                 max_tokens: int, top: int, sync_debug: bool = False) -> dict[str, Any]:
     import torch
 
     from cluster import LLM, SamplingParams
@@ -76,9 +76,22 @@ def profile_mode(model: str, head: str, mode: str, temperature: float, seed: int
         outs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in prompts]
         return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start
     # unprofiled first: the timings that count
+    syncs: dict[str, int] = {}
+    if sync_debug:  # where the host waits for the GPU inside the loop: torch's synchronizing-op warnings
+        import traceback
+        import warnings
+
+        def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+            where = "".join(traceback.format_stack(limit=9)[:-2]) + f"{category.__name__}: {message}"
+            syncs[where] = syncs.get(where, 0) + 1
+        warnings.showwarning = record
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
     before = counters()
     tokens, wall = run_all()
     after = counters()
+    if sync_debug:
+        torch.cuda.set_sync_debug_mode(0)
     plain = {"steps": len(times["step"]), "tokens": tokens, "wall_s": round(wall, 3),
              "tokens_per_step": round(tokens / max(1, len(times["step"])), 3),
              "counters": {name: after[name] - before[name] for name in after},
@@ -99,6 +112,7 @@ def profile_mode(model: str, head: str, mode: str, temperature: float, seed: int
     stats = engine.spec_stats
     return {
         "mode": mode, "unprofiled": plain,
+        "synchronizing_calls": [{"count": c, "where": w} for w, c in sorted(syncs.items(), key=lambda x: -x[1])][:top],
         "acceptance": round(stats.num_accepted_tokens / stats.num_draft_tokens, 3) if stats.num_draft_tokens else 0.0,
         "profiled": {"steps": len(times["step"]), "wall_s": round(wall, 3),
                      "median_ms": {name: median_ms(v) for name, v in times.items()}},
@@ -121,6 +135,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="record where the unprofiled pass synchronizes with the GPU (torch.cuda.set_sync_debug_mode)")
     parser.add_argument("--out", default="bench/results/spec-step-profile.json")
     args = parser.parse_args()
     model, head = args.model, args.speculative_model
@@ -129,12 +145,14 @@ def main() -> None:
         model, head = tiny_model()
         max_tokens = 24
     seed = None if args.seed < 0 else args.seed
-    rows = [profile_mode(model, head, m, args.temperature, seed, args.k, max_tokens, args.top)
+    rows = [profile_mode(model, head, m, args.temperature, seed, args.k, max_tokens, args.top, args.sync_debug)
             for m in args.modes.split(",")]
     for r in rows:
         u = r["unprofiled"]
         print(r["mode"], u["steps"], "steps", u["tokens_per_step"], "tokens/step", u["wall_s"], "s; median ms",
               u["median_ms"], "mean ms", u["mean_ms"], u["counters"])
+        for sync in r["synchronizing_calls"][:6]:
+            print("   sync x", sync["count"], "\n" + sync["where"])
         for op in r["host_ops_per_step"][:12]:
             print("   host", op)
         for kern in r["device_kernels_per_step"][:8]:
