@@ -171,9 +171,9 @@ def test_seeded_sampling_pipelined_equals_no_speculation(tiny, mode):  # noqa: F
     """Seeded requests pipeline their verify steps: each launch hands the device their noise at
     the positions the step may start from, and the device picks it by the drafts the step in
     flight accepted (``SeededWindow``). Their output is the non-speculative seeded output token
-    for token, beside greedy and unseeded requests, with n=2, a stop string and ``max_tokens``
-    inside an accepted run; coupled drafts are drawn with the positions' noise (accepted far more
-    often than the head's argmax); every block is freed."""
+    for token, beside a greedy request, with n=2, a stop string and ``max_tokens`` inside an
+    accepted run; the drafts accepted, position by position, are the synchronous steps' (coupled:
+    drawn with the positions' noise); every block is freed."""
     prompts = train_prompts()[:4]
     params = [SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.7, seed=11, max_tokens=13, n=2, ignore_eos=True),
