@@ -247,6 +247,12 @@ def main() -> None:
                                             for m, e in engines.items() if m != "none"},
                        "pipelined_verify_steps": {m: e.num_pipelined_verify_steps for m, e in engines.items()},
                        "verify_graph_steps": {m: e.runner.num_verify_graph_steps for m, e in engines.items()},
+                       "sampled_verify_graph_steps": {m: e.runner.num_sampled_verify_graph_steps
+                                                      for m, e in engines.items()},
+                       "sampled_verify_graphs": {m: ("captured" if e.runner.verify_graphs.sampled_graphs
+                                                     else "off") + (f": {e.runner.verify_graphs.sampled_reason}"
+                                                                    if e.runner.verify_graphs.sampled_reason else "")
+                                                 for m, e in engines.items() if e.runner.verify_graphs is not None},
                        "pipelined_coupled_launches": {m: e.runner.num_noise_launches for m, e in engines.items()},
                        "pipelined_seeded_launches": {m: e.runner.num_seeded_launches for m, e in engines.items()},
                        "verify_graphs": {m: e.runner.verify_graph_status.describe() for m, e in engines.items()

@@ -67,7 +67,9 @@ def profile_mode(model: str, head: str, mode: str, temperature: float, seed: int
     def counters() -> dict[str, int]:
         return {"pipelined_verify_steps": engine.num_pipelined_verify_steps, "sync_steps": engine.num_sync_steps,
                 "graph_steps": runner.num_graph_steps, "eager_steps": runner.num_eager_steps,
-                "verify_graph_steps": runner.num_verify_graph_steps, "seeded_launches": runner.num_seeded_launches,
+                "verify_graph_steps": runner.num_verify_graph_steps,
+                "sampled_verify_graph_steps": runner.num_sampled_verify_graph_steps,
+                "seeded_launches": runner.num_seeded_launches,
                 "coupled_launches": runner.num_noise_launches, "head_graph_proposals": drafter.num_graph_proposals,
                 "head_eager_proposals": drafter.num_eager_proposals}
 

@@ -131,10 +131,12 @@ class EmulatedGraph:
 
 
 def capture_sizes(forward: Callable[[int], torch.Tensor], sizes: list[int],
-                  outputs: dict[int, torch.Tensor]) -> dict[int, Any]:
-    """Capture ``forward(size)`` for every size, the largest first, in one memory pool; each
-    graph's output tensor lands in ``outputs[size]``. Returns the graphs by size."""
-    pool = torch.cuda.graph_pool_handle()
+                  outputs: dict[int, torch.Tensor], pool: Any = None) -> dict[int, Any]:
+    """Capture ``forward(size)`` for every size, the largest first, in one memory pool (``pool``,
+    else a new one); each graph's output tensor lands in ``outputs[size]``. Returns the graphs by
+    size."""
+    if pool is None:
+        pool = torch.cuda.graph_pool_handle()
     graphs: dict[int, Any] = {}
     for size in reversed(sizes):
         graph = torch.cuda.CUDAGraph()

@@ -294,9 +294,10 @@ class DraftHeadGraphs:
         newest), exactly the pending positions of ``run``; rows past them write nowhere. The rows
         come from one kernel (``Ops.spec_accept_draft_rows``). ``draws`` (replayed only; see
         ``run``): the sampled requests draw their drafts with the next verify step's noise.
-        ``window`` (replayed only: ``gumbel [L, n, V']``, ``start [n]``, ``rows [n]`` bool) the
-        requests of ``rows`` (seeded, whose noise depends on the position the acceptance sets)
-        draw draft ``j`` with ``gumbel[start + accepted + j]`` instead."""
+        ``window`` (``gumbel [L, n, V']``, ``start [n]``, ``rows [n]`` bool; replayed, with
+        ``draws``; inside a capture, on the static buffers of ``VerifyGraphs``) the requests of
+        ``rows`` (seeded, whose noise depends on the position the acceptance sets) draw draft
+        ``j`` with ``gumbel[start + accepted + j]`` instead."""
         n = base.shape[0]
         size = next(s for s in self.sizes if s >= n)
         r = self.rows
@@ -307,7 +308,7 @@ class DraftHeadGraphs:
             self.first_positions[:size * r], self.first_seq_lens[:size * r], self.first_slots[:size * r],
             self.last_rows[:size], self.chain_positions[:, :size], self.chain_seq_lens[:, :size],
             self.chain_slots[:, :size], self.tables[:size])
-        if replay and window is not None and self._drawn:
+        if window is not None and (self._drawn or not replay):
             gumbel, start, rows = window
             index = (start + accepted)[None, :] + torch.arange(self.k, device=start.device)[:, None]  # [k, n]
             chosen = gumbel.gather(0, index[:, :, None].expand(-1, -1, gumbel.shape[2]))

@@ -380,6 +380,11 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             if self._spec_pipelined:
                 reason += ("; verify steps pipelined (acceptance and the next proposal on the device), greedy "
                            f"batches as one CUDA graph each: {self.runner.verify_graph_status.describe()}")
+                graphs = self.runner.verify_graphs
+                if graphs is not None:
+                    reason += ("; batches with sampled requests (no top-k, top-p or min-p) too"
+                               if graphs.sampled_graphs else "") + (f"; {graphs.sampled_reason}"
+                                                                    if graphs.sampled_reason else "")
             else:
                 reason += f"; verify steps synchronous ({self.spec_pipeline_status})"
             rows.append({"component": "speculative_decoding", "op": "verify_step", "impl": self.proposer.name,
@@ -422,6 +427,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         if self.proposer is not None:
             out["spec_decode_pipelined"] = float(self._spec_pipelined)
             out["spec_verify_graphs_captured"] = float(self.runner.verify_graph_status.captured)
+            graphs = self.runner.verify_graphs
+            out["spec_verify_sampled_graphs_captured"] = float(graphs is not None and bool(graphs.sampled_graphs))
         return out
 
     def counters(self) -> dict[str, float]:
@@ -434,6 +441,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             out.update(self.spec_stats.counters())
             out["spec_decode_pipelined_steps_total"] = float(self.num_pipelined_verify_steps)
             out["spec_decode_verify_graph_steps_total"] = float(self.runner.num_verify_graph_steps)
+            out["spec_decode_sampled_verify_graph_steps_total"] = float(self.runner.num_sampled_verify_graph_steps)
         if self.runner.drafter is not None:
             out.update(self.runner.drafter.counters())
         return out

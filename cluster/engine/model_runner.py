@@ -5,7 +5,7 @@ rows whose chunk reached the end of the request."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,6 +104,8 @@ class ModelRunner:
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.num_verify_graph_steps = 0
+        #: Of those, the steps of batches with sampled requests (``VerifyGraphs.run_sampled``).
+        self.num_sampled_verify_graph_steps = 0
         #: Pipelined verify launches that drew the next step's noise for coupled drafts, and
         #: that had seeded requests (``SeededWindow``).
         self.num_noise_launches = 0
@@ -268,48 +270,97 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_verify(self, tables: np.ndarray, rows: list[SamplingRow], inputs: torch.Tensor,
                       base: torch.Tensor, draw_scales: list[float] | None = None,
-                      seeded: SeededWindow | None = None) -> VerifyLaunch:
+                      seeded: SeededWindow | None = None,
+                      noise: Sequence[torch.Tensor | None] | torch.Tensor | None = None) -> VerifyLaunch:
         """A verify step of ``n`` requests (``can_launch_verify``; see ``verify_on_device``),
-        without waiting for the GPU: greedy batches replay one verify-step graph, others replay
-        the decode and draft graphs with their sampling and acceptance launched between.
+        without waiting for the GPU: greedy batches replay one verify-step graph, batches with
+        sampled requests (no filters) the sampled one (``VerifyGraphs.run_sampled``), others
+        replay the decode and draft graphs with their sampling and acceptance launched between.
         ``tables [n, W]``: the requests' blocks (their one full-attention group), covering every
-        position written; ``rows``: the rows' sampling, request by request. ``draw_scales`` (per
-        request 1 / temperature, 0 for greedy): the next step's noise is drawn here (unseeded) and
-        the head's next drafts of the sampled requests are drawn with it (``next_noise``);
-        ``seeded``: the seeded requests' rows draw, and their next drafts are drawn, with the
-        noise of their positions, chosen on the device."""
+        position written; ``rows``: the rows' sampling, request by request. ``noise``: per
+        request, the draw noise ``[k + 1, V]`` of its rows that its drafts were drawn with
+        (coupled drafts; None: drawn at the draw). ``draw_scales`` (per request 1 / temperature,
+        0 for greedy): the next step's noise is drawn here (unseeded) and the head's next drafts
+        of the sampled requests are drawn with it (``next_noise``); ``seeded``: the seeded
+        requests' rows draw, and their next drafts are drawn, with the noise of their positions,
+        chosen on the device (where every sampled request is seeded, no unseeded noise is drawn)."""
         assert self.graphs is not None and self.drafter is not None and self.drafter.graphs is not None
-        n = inputs.shape[0]
+        n, r = inputs.shape
         table = stage(np.ascontiguousarray(tables, dtype=np.int32), self.device)
-        self.drafter.graphs.neutral()  # the device's proposals are greedy
-        if self.verify_graphs is not None and self.verify_graphs.can_run(n) and all(r.params.greedy for r in rows):
-            out = self.verify_graphs.run(table, inputs, base)
+        drafts, graphs = self.drafter.graphs, self.verify_graphs
+        drafts.neutral()  # the device's proposals are greedy
+        if graphs is not None and graphs.can_run(n) and all(row.params.greedy for row in rows):
+            out = graphs.run(table, inputs, base)
             out.last_hidden = out.last_hidden.clone()  # the graph's buffer: its next replay overwrites it
             self.num_verify_graph_steps += 1
-        else:
-            next_noise = draws = window = None
-            r = inputs.shape[1]
+            self.drafter.count_device_proposal(n)
+            return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))))
+        next_noise = draws = window = None
+        if seeded is not None:
+            self.num_seeded_launches += 1
+        if draw_scales is not None and drafts.draws:
+            unseeded = any(s > 0 and not (seeded is not None and seeded.seeded[i]) for i, s in enumerate(draw_scales))
             if seeded is not None:
-                noise = seeded.verify_noise(r)
-                for i in (i for i, s in enumerate(seeded.seeded) if s):
-                    for j in range(r):
-                        rows[i * r + j].noise = noise[i, j]
-                self.num_seeded_launches += 1
-            if draw_scales is not None and self.drafter.graphs.draws:
+                scale, gumbel = self.drafter.draws_from_noise(seeded.noise, draw_scales)  # [L, n, V']
+                window = (gumbel, seeded.offset + 1, to_device(seeded.seeded, torch.bool, self.device))
+                draws = (scale, gumbel[:drafts.k])  # the seeded rows' drafts pick theirs from the window
+            if unseeded:
                 next_noise = self.sampler.unseeded_noise((n, r))
                 draws = self.drafter.draws_from_noise(next_noise[:, :-1], draw_scales)  # the bonus row drafts nothing
-                if seeded is not None:
-                    _, gumbel = self.drafter.draws_from_noise(seeded.noise, draw_scales)
-                    window = (gumbel, seeded.offset + 1, to_device(seeded.seeded, torch.bool, self.device))
-                self.num_noise_launches += 1
-            out = verify_on_device(self.graphs, self.drafter.graphs, self.model, table, inputs, base,
-                                   lambda logits: self.sampler.sample_tokens(logits, rows), draws=draws,
-                                   window=window)
-            self.num_graph_steps += 1
+            self.num_noise_launches += 1
+        plain = all(not (row.banned_token_ids or row.params.has_penalties or row.params.top_k > 0
+                         or row.params.top_p < 1.0 or row.params.min_p > 0) for row in rows)
+        if graphs is not None and plain and graphs.can_run_sampled(n, window is not None):
+            drafts.neutral(draws)
+            out = graphs.run_sampled(table, inputs, base, *self._sampled_rows(rows, n, r, noise, seeded), window=window)
+            out.last_hidden = out.last_hidden.clone()
+            self.num_verify_graph_steps += 1
+            self.num_sampled_verify_graph_steps += 1
             self.drafter.count_device_proposal(n)
             return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))), next_noise)
+        if noise is not None:
+            for i in range(n):
+                if noise[i] is not None:
+                    for j in range(r):
+                        rows[i * r + j].noise = noise[i][j]
+        if seeded is not None:
+            verify_noise = seeded.verify_noise(r)
+            for i in (i for i, s in enumerate(seeded.seeded) if s):
+                for j in range(r):
+                    rows[i * r + j].noise = verify_noise[i, j]
+        out = verify_on_device(self.graphs, drafts, self.model, table, inputs, base,
+                               lambda logits: self.sampler.sample_tokens(logits, rows), draws=draws, window=window)
+        self.num_graph_steps += 1
         self.drafter.count_device_proposal(n)
-        return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))))
+        return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))), next_noise)
+
+    def _sampled_rows(self, rows: list[SamplingRow], n: int, r: int,
+                      noise: Sequence[torch.Tensor | None] | torch.Tensor | None,
+                      seeded: SeededWindow | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sampled verify graph's per-row inputs: ``temperature [n r]`` (0: greedy) and the draw
+        noise ``[n r, V]``: each request's handed over (``noise``), its seeded window's
+        (``seeded``), else drawn now from the engine's generator (greedy rows: ones, unused)."""
+        temperature = to_device([0.0 if row.params.greedy else row.params.temperature for row in rows],
+                                torch.float32, self.device)
+        is_seeded = seeded.seeded if seeded is not None else [False] * n
+        unseeded = [not rows[i * r].params.greedy and not is_seeded[i] for i in range(n)]
+        if seeded is not None and not any(unseeded):  # the seeded rows' window alone (greedy rows: unused)
+            return temperature, seeded.verify_noise(r).reshape(n * r, -1)
+        if isinstance(noise, torch.Tensor):
+            draw = noise
+        elif noise is None:  # one draw for every row (greedy and seeded rows leave theirs unused)
+            draw = self.sampler.unseeded_noise((n, r))
+        else:
+            draw = torch.ones((n, r, self.sampler.vocab_size), dtype=torch.float32, device=self.device)
+            for i in range(n):
+                if noise[i] is not None:
+                    draw[i].copy_(noise[i][:r])
+                elif unseeded[i]:
+                    draw[i].copy_(self.sampler.unseeded_noise((r,)))
+        if seeded is not None:
+            mask = to_device(seeded.seeded, torch.bool, self.device)
+            draw = torch.where(mask[:, None, None], seeded.verify_noise(r), draw)
+        return temperature, draw.reshape(n * r, -1)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:

@@ -109,6 +109,14 @@ class Request:
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
 
+    def draft_room(self, k: int, max_model_len: int) -> int:
+        """How many drafts its next verify step may propose: ``k``, at most what ``max_tokens``
+        and ``max_model_len`` leave room for (the step's bonus token included)."""
+        room = min(k, max_model_len - self.num_tokens - 1)
+        if self.max_tokens is not None:
+            room = min(room, self.max_tokens - self.num_output_tokens - 1)
+        return room
+
     @property
     def deadline(self) -> float | None:
         d = self.sampling_params.deadline_s

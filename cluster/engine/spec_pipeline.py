@@ -59,11 +59,13 @@ from cluster.engine.output_processor import RequestGroup
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.spec_decode import SpecDecodeStats
+from cluster.engine.verify_step import flight_reach
 
 logger = logging.getLogger(__name__)
 
-#: The most a pipelined verify step's seeded noise windows may take (``3k + 2`` positions of the
-#: vocabulary per seeded request, float32); past it the batch's verify steps run synchronously.
+#: The most a pipelined verify step's seeded noise windows may take (``flight_reach(k)`` positions
+#: of the vocabulary per seeded request, float32); past it the batch's verify steps run
+#: synchronously.
 MAX_SEEDED_WINDOW_BYTES = 256 << 20
 
 
@@ -99,8 +101,9 @@ class SpecPipelining:
         if (sch.waiting or len(requests) != len(sch.running) or any(a is not b for a, b in zip(requests, sch.running))
                 or not self.runner.can_launch_verify(len(requests), k)):
             return False
-        limit = self.scheduler_config.max_model_len - (3 * k + 2)
-        if any(_seeded(r) for r in requests) and len(requests) * (3 * k + 2) * self.runner.sampler.vocab_size * 4 > MAX_SEEDED_WINDOW_BYTES:
+        limit = self.scheduler_config.max_model_len - flight_reach(k)
+        window_bytes = len(requests) * flight_reach(k) * self.runner.sampler.vocab_size * 4
+        if any(_seeded(r) for r in requests) and window_bytes > MAX_SEEDED_WINDOW_BYTES:
             return False
         for r in requests:
             p = r.sampling_params
@@ -143,7 +146,7 @@ class SpecPipelining:
         qualifies: the caller completes the step in flight and steps synchronously."""
         step = self._verify_in_flight
         k = self.model_config.num_speculative_tokens
-        if step is None or not self._verify_ready(step.requests, 3 * k + 2):
+        if step is None or not self._verify_ready(step.requests, flight_reach(k)):
             return False
         if not self._launch_verify(step.requests, step.launch.outputs.next_inputs, step.launch.outputs.next_base,
                                    step.launch.next_noise, step.launch.outputs.accepted + 1):
@@ -171,18 +174,13 @@ class SpecPipelining:
         for i, t in enumerate(rows):
             table[i, :len(t)] = t
         sampling = [self._sampling_row(r) for r in requests for _ in range(k + 1)]  # unseeded: any position
-        if noise is not None:
-            for i in range(len(requests)):
-                if noise[i] is not None:
-                    for j in range(k + 1):
-                        sampling[i * (k + 1) + j].noise = noise[i][j]
         scales = None
         if self.model_config.speculative_draft_sampling == "coupled" and any(not q.sampling_params.greedy
                                                                               for q in requests):
             scales = [0.0 if q.sampling_params.greedy else 1.0 / q.sampling_params.temperature for q in requests]
         try:
             launch = self.runner.launch_verify(table, sampling, inputs, base, scales,
-                                               self._seeded_window(requests, offset))
+                                               self._seeded_window(requests, offset), noise)
         except Exception as exc:  # noqa: BLE001 - the synchronous steps take over, and fail what must fail
             logger.exception("a pipelined verify step failed: verify steps run synchronously from now on")
             self._spec_pipelined = False
@@ -199,13 +197,13 @@ class SpecPipelining:
         return True
 
     def _seeded_window(self, requests: list[Request], offset: torch.Tensor | None) -> SeededWindow | None:
-        """The seeded requests' draw noise at the ``3k + 2`` output positions from the one the host
+        """The seeded requests' draw noise at the ``flight_reach(k)`` output positions from the one the host
         knows (``SeededWindow``); None where no request is seeded."""
         seeded = [_seeded(r) for r in requests]
         if not any(seeded):
             return None
         sampler = self.runner.sampler
-        length = 3 * self.model_config.num_speculative_tokens + 2
+        length = flight_reach(self.model_config.num_speculative_tokens)
         zeros = torch.zeros(sampler.vocab_size, dtype=torch.float32, device=sampler.device)
         rows: list[torch.Tensor] = []
         for r, s in zip(requests, seeded):
@@ -233,7 +231,7 @@ class SpecPipelining:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted meanwhile: this step's tokens are dropped
             accepted = values[n * r + i]
-            room = k if request.max_tokens is None else request.max_tokens - request.num_output_tokens - 1
+            room = request.draft_room(k, self.scheduler_config.max_model_len)
             if room > 0:  # drafts past max_tokens are none: a synchronous step would not propose them
                 self.spec_stats.record(min(k, room), min(accepted, room), request)
             for token in values[i * r:i * r + accepted + 1]:

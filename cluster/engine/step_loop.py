@@ -246,9 +246,7 @@ class StepLoop:
             r.spec_noise = None
             if r.num_pending or r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
                 continue
-            room = min(k, max_len - r.num_tokens - 1)
-            if r.max_tokens is not None:
-                room = min(room, r.max_tokens - r.num_output_tokens - 1)
+            room = r.draft_room(k, max_len)
             if room > 0:
                 r.spec_token_ids = proposer.propose(r, room)
 

@@ -1,6 +1,6 @@
 """Pipelined speculative decoding (cluster/engine/spec_pipeline.py) on the CPU: verify steps and
-the head's proposals replayed from emulated CUDA graphs (greedy batches from the verify-step
-graph, cluster/engine/verify_step.py) (static buffers, padding rows, the Triton
+the head's proposals replayed from emulated CUDA graphs (whole verify steps from the greedy
+or sampled verify-step graph, cluster/engine/verify_step.py) (static buffers, padding rows, the Triton
 kernels interpreted, host reads refused inside a replay), each step launched from the previous
 one's results on the device before that one's tokens are read. Greedy output equals decoding
 without speculation token for token, through stop strings and tokens, ``max_tokens`` inside an
@@ -68,6 +68,8 @@ def test_greedy_output_equals_no_speculation(tiny):  # noqa: F811
     assert engine.counters()["spec_decode_verify_graph_steps_total"] == engine.runner.num_verify_graph_steps
     row = [r for r in engine.backends() if r["component"] == "speculative_decoding"][0]
     assert "verify steps pipelined" in row["reason"] and "one CUDA graph each: captured" in row["reason"]
+    assert "batches with sampled requests (no top-k, top-p or min-p) too" in row["reason"]
+    assert engine.metrics()["spec_verify_sampled_graphs_captured"] == 1.0
     assert engine.kv.usage == 0.0 and not drafter.states
     engine.step()  # generate returns once every request finished; the step in flight is read next
     assert engine._verify_in_flight is None and not engine.has_work()
@@ -126,8 +128,10 @@ def test_arrivals_aborts_and_sampling_free_every_block(tiny):  # noqa: F811
     while engine.has_work():
         step()
     assert engine.num_pipelined_verify_steps > 10
-    # batches with a sampled request launch their verify steps eagerly (greedy ones replay a graph)
-    assert engine.runner.num_verify_graph_steps < engine.num_pipelined_verify_steps
+    # every step replays one graph: greedy batches the greedy one, batches with a sampled request the sampled one
+    runner = engine.runner
+    assert runner.num_verify_graph_steps == engine.num_pipelined_verify_steps
+    assert 0 < runner.num_sampled_verify_graph_steps < runner.num_verify_graph_steps
     done = [rid for rid in greedy if rid in finished]
     assert len(done) >= 4
     want = plain(tiny).generate([greedy[rid][0] for rid in done],
@@ -158,6 +162,7 @@ def test_unseeded_sampling_pipelined_draws_coupled_drafts(tiny):  # noqa: F811
         assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
         assert engine.num_pipelined_verify_steps > 10
         assert sum(drawn) == (len(drawn) if mode == "coupled" else 0)  # each launch drew the next step's noise
+        assert engine.runner.num_sampled_verify_graph_steps == engine.num_pipelined_verify_steps  # one replay each
         stats = engine.spec_stats
         rate[mode] = stats.num_accepted_tokens / stats.num_draft_tokens
         while engine.has_work():  # a step launched past the last token is read
@@ -166,22 +171,24 @@ def test_unseeded_sampling_pipelined_draws_coupled_drafts(tiny):  # noqa: F811
     assert rate["coupled"] > 2 * rate["greedy"] + 0.05, rate
 
 
-@pytest.mark.parametrize("mode", ["coupled", "greedy"])
-def test_seeded_sampling_pipelined_equals_no_speculation(tiny, mode):  # noqa: F811
+@pytest.mark.parametrize("mode,top_k", [("coupled", 0), ("greedy", 0), ("coupled", 20)])
+def test_seeded_sampling_pipelined_equals_no_speculation(tiny, mode, top_k):  # noqa: F811
     """Seeded requests pipeline their verify steps: each launch hands the device their noise at
     the positions the step may start from, and the device picks it by the drafts the step in
-    flight accepted (``SeededWindow``). Their output is the non-speculative seeded output token
-    for token, beside a greedy request, with n=2, a stop string and ``max_tokens`` inside an
-    accepted run; the drafts accepted, position by position, are the synchronous steps' (coupled:
-    drawn with the positions' noise); every block is freed."""
+    flight accepted (``SeededWindow``), inside the sampled verify graph, or (while a top-k request
+    is in the batch) between the decode and draft graphs' replays. Their output is the non-speculative
+    seeded output token for token, beside a greedy request, with n=2, a stop string and
+    ``max_tokens`` inside an accepted run; the drafts accepted, position by position, are the
+    synchronous steps' (coupled: drawn with the positions' noise); every block is freed."""
     prompts = train_prompts()[:4]
     params = [SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.7, seed=11, max_tokens=13, n=2, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=3, max_tokens=36, ignore_eos=True)]
+              SamplingParams(temperature=1.0, seed=3, max_tokens=24, top_k=top_k, ignore_eos=True)]
     want = plain(tiny).generate(prompts, params)
     text = want[3].outputs[0].text
-    params[3] = SamplingParams(temperature=1.0, seed=3, max_tokens=36, stop=[text[len(text) // 2:len(text) // 2 + 4]])
+    params[3] = SamplingParams(temperature=1.0, seed=3, max_tokens=24, top_k=top_k,
+                               stop=[text[len(text) // 2:len(text) // 2 + 4]])
     want = summary(plain(tiny).generate(prompts, params))
     sync = graph_llm(tiny, pipelined=False, speculative_draft_sampling=mode)
     assert summary(sync.generate(prompts, params)) == want
@@ -190,11 +197,36 @@ def test_seeded_sampling_pipelined_equals_no_speculation(tiny, mode):  # noqa: F
     assert summary(llm.generate(prompts, params)) == want
     assert engine.num_pipelined_verify_steps >= 10
     assert engine.runner.num_seeded_launches == engine.num_pipelined_verify_steps  # every batch had a seeded one
+    sampled_graph_steps = engine.runner.num_sampled_verify_graph_steps
+    if top_k:  # the top-k request's batches launch between the graphs; the others replay one graph
+        assert 0 < sampled_graph_steps < engine.num_pipelined_verify_steps
+    else:
+        assert sampled_graph_steps == engine.num_pipelined_verify_steps
     # the same drafts accepted as the synchronous steps, position by position
     assert engine.spec_stats.accepted_per_pos == sync.engine.spec_stats.accepted_per_pos
     while engine.has_work():
         engine.step()
     assert engine._verify_in_flight is None and engine.kv.usage == 0.0 and not engine.runner.drafter.states
+
+
+def test_sampled_verify_graphs_past_their_memory_bound_launch_eagerly_and_say_so(tiny, monkeypatch):  # noqa: F811
+    """Where the sampled graphs' noise buffers would pass ``MAX_SAMPLED_BUFFER_BYTES``, none are
+    captured: batches with sampled requests launch between the decode and draft graphs, said in
+    /v1/backends and the gauge, and seeded output still equals decoding without speculation."""
+    monkeypatch.setattr("cluster.engine.verify_step.MAX_SAMPLED_BUFFER_BYTES", 0)
+    prompts = train_prompts()[:2]
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
+    want = summary(plain(tiny).generate(prompts, params))
+    llm = graph_llm(tiny)
+    engine = llm.engine
+    assert summary(llm.generate(prompts, params)) == want
+    assert engine.num_pipelined_verify_steps >= 5 and engine.runner.num_sampled_verify_graph_steps == 0
+    assert engine.metrics()["spec_verify_sampled_graphs_captured"] == 0.0
+    row = [r for r in engine.backends() if r["component"] == "speculative_decoding"][0]
+    assert "batches with sampled requests launch eagerly: the draw noise buffer would take" in row["reason"]
+    while engine.has_work():
+        engine.step()
+    assert engine.kv.usage == 0.0
 
 
 def test_a_failing_pipelined_step_hands_over_to_synchronous_steps(tiny, monkeypatch):  # noqa: F811
@@ -268,9 +300,13 @@ def test_pipelined_verify_steps_on_the_gpu_equal_graph_decode(tmp_path):
     seeded = [SamplingParams(temperature=1.0 if i % 2 else 0.7, seed=5 + i, max_tokens=40, ignore_eos=True)
               for i in range(len(prompts))]
     want = summary(base.generate(prompts, seeded))
-    steps, launches = engine.num_pipelined_verify_steps, engine.runner.num_seeded_launches
+    runner = engine.runner
+    steps, launches = engine.num_pipelined_verify_steps, runner.num_seeded_launches
+    graphed = runner.num_sampled_verify_graph_steps
     assert summary(llm.generate(prompts, seeded)) == want
-    assert engine.runner.num_seeded_launches - launches == engine.num_pipelined_verify_steps - steps >= 10
+    assert runner.num_seeded_launches - launches == engine.num_pipelined_verify_steps - steps >= 10
+    # each of them one replay of the sampled verify graph (its draws and noise windows captured)
+    assert runner.num_sampled_verify_graph_steps - graphed == engine.num_pipelined_verify_steps - steps
     while engine.has_work():
         engine.step()
     assert engine._verify_in_flight is None and engine.kv.usage == 0.0
