@@ -97,6 +97,11 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
+    @property
+    def has_filters(self) -> bool:
+        """Whether a draw keeps only part of the distribution (top-k, top-p or min-p)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0
+
     def replace(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 

@@ -5,6 +5,7 @@ rows whose chunk reached the end of the request."""
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +64,11 @@ class SeededWindow:
     noise: torch.Tensor
     offset: torch.Tensor
     seeded: list[bool]
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """``seeded`` on the device (one copy however often a launch asks)."""
+        return to_device(self.seeded, torch.bool, self.offset.device)
 
     def verify_noise(self, rows: int) -> torch.Tensor:
         """``[n, rows, V]`` the step's rows' noise."""
@@ -290,11 +296,8 @@ class ModelRunner:
         drafts, graphs = self.drafter.graphs, self.verify_graphs
         drafts.neutral()  # the device's proposals are greedy
         if graphs is not None and graphs.can_run(n) and all(row.params.greedy for row in rows):
-            out = graphs.run(table, inputs, base)
-            out.last_hidden = out.last_hidden.clone()  # the graph's buffer: its next replay overwrites it
             self.num_verify_graph_steps += 1
-            self.drafter.count_device_proposal(n)
-            return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))))
+            return self._launched(graphs.run(table, inputs, base), n, graph=True)
         next_noise = draws = window = None
         if seeded is not None:
             self.num_seeded_launches += 1
@@ -302,22 +305,19 @@ class ModelRunner:
             unseeded = any(s > 0 and not (seeded is not None and seeded.seeded[i]) for i, s in enumerate(draw_scales))
             if seeded is not None:
                 scale, gumbel = self.drafter.draws_from_noise(seeded.noise, draw_scales)  # [L, n, V']
-                window = (gumbel, seeded.offset + 1, to_device(seeded.seeded, torch.bool, self.device))
+                window = (gumbel, seeded.offset + 1, seeded.mask)
                 draws = (scale, gumbel[:drafts.k])  # the seeded rows' drafts pick theirs from the window
             if unseeded:
                 next_noise = self.sampler.unseeded_noise((n, r))
                 draws = self.drafter.draws_from_noise(next_noise[:, :-1], draw_scales)  # the bonus row drafts nothing
             self.num_noise_launches += 1
-        plain = all(not (row.banned_token_ids or row.params.has_penalties or row.params.top_k > 0
-                         or row.params.top_p < 1.0 or row.params.min_p > 0) for row in rows)
+        plain = not any(row.needs_host_filters for row in rows)
         if graphs is not None and plain and graphs.can_run_sampled(n, window is not None):
             drafts.neutral(draws)
             out = graphs.run_sampled(table, inputs, base, *self._sampled_rows(rows, n, r, noise, seeded), window=window)
-            out.last_hidden = out.last_hidden.clone()
             self.num_verify_graph_steps += 1
             self.num_sampled_verify_graph_steps += 1
-            self.drafter.count_device_proposal(n)
-            return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))), next_noise)
+            return self._launched(out, n, next_noise, graph=True)
         if noise is not None:
             for i in range(n):
                 if noise[i] is not None:
@@ -331,6 +331,16 @@ class ModelRunner:
         out = verify_on_device(self.graphs, drafts, self.model, table, inputs, base,
                                lambda logits: self.sampler.sample_tokens(logits, rows), draws=draws, window=window)
         self.num_graph_steps += 1
+        return self._launched(out, n, next_noise)
+
+    def _launched(self, out: VerifyOutputs, n: int, next_noise: torch.Tensor | None = None,
+                  graph: bool = False) -> VerifyLaunch:
+        """A launched verify step of ``n`` requests, its tokens and accepted counts on their way
+        to the host. ``graph``: ``out`` lives in a verify graph's buffers, whose next replay
+        overwrites them: its last hidden states are copied out for the next draft."""
+        assert self.drafter is not None
+        if graph:
+            out.last_hidden = out.last_hidden.clone()
         self.drafter.count_device_proposal(n)
         return VerifyLaunch(out, *fetch(torch.cat((out.targets.reshape(-1), out.accepted))), next_noise)
 
@@ -358,8 +368,7 @@ class ModelRunner:
                 elif unseeded[i]:
                     draw[i].copy_(self.sampler.unseeded_noise((r,)))
         if seeded is not None:
-            mask = to_device(seeded.seeded, torch.bool, self.device)
-            draw = torch.where(mask[:, None, None], seeded.verify_noise(r), draw)
+            draw = torch.where(seeded.mask[:, None, None], seeded.verify_noise(r), draw)
         return temperature, draw.reshape(n * r, -1)
 
     @torch.inference_mode()

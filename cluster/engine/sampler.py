@@ -36,6 +36,14 @@ class SamplingRow:
     #: a draft sampled with it), else None: drawn at the draw.
     noise: torch.Tensor | None = None
 
+    @property
+    def needs_host_filters(self) -> bool:
+        """Whether the sampler changes this row's logits before its draw with host data (banned
+        tokens, penalties over its output, top-k/top-p/min-p): ``_mask_banned``, ``_apply_penalties``
+        and the filter of ``_draw``. A row without is a temperature and a noise alone, which a
+        captured graph can draw (``VerifyGraphs.run_sampled``)."""
+        return bool(self.banned_token_ids) or self.params.has_penalties or self.params.has_filters
+
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on ``device`` without a synchronisation: through pinned memory (torch's
