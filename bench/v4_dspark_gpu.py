@@ -21,7 +21,8 @@ Rows:
                        prefill side and check it on the decode side (medians)
 The anchors: DeepSeek reports DSpark 60-85% faster per user than MTP-1 at matched throughput; users
 report about 4.4 accepted tokens per block with the released drafter (a ~ 0.9 per draft).
-DSpark verify steps run synchronously (not pipelined, blocks not in graphs): fast_paths says so.
+DSpark verify steps run synchronously (not pipelined); its blocks replay CUDA graphs where captured:
+fast_paths says which (draft_graphs) and how many blocks replayed a graph or ran eagerly.
 
     python bench/v4_dspark_gpu.py --out bench/results/v4-dspark-h200-<date>.json
     python bench/v4_dspark_gpu.py --tiny --device cpu --out /tmp/v4-dspark.json   # plumbing check
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tiny", action="store_true", help="toy widths (plumbing check)")
     parser.add_argument("--batches", help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--acceptance", help="comma-separated set acceptances (default 0,0.5,0.8,0.9,1)")
+    parser.add_argument("--block-graphs", choices=("on", "off"), default="on",
+                        help="dspark_cuda_graphs for the dspark rows (default on)")
     args = parser.parse_args(argv)
     batches, acceptance, prompt, new = TINY_RUN if args.tiny else (BATCHES, ACCEPTANCE, PROMPT, NEW)
     if args.batches:  # a shorter run (what a few minutes of device time hold)
@@ -118,8 +121,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for method, k in [("none", 0), ("verify", BLOCK), ("mtp", 1), ("dspark", BLOCK)]:
         with tempfile.TemporaryDirectory() as path:
             write_model_dir(path, configs[method])
-            engine = run_method(result, path, args.device, method, k, acceptance, batches, prompt, new)
+            settings = {"dspark_cuda_graphs": args.block_graphs == "on"} if method == "dspark" else {}
+            engine = run_method(result, path, args.device, method, k, acceptance, batches, prompt, new, **settings)
             if method == "dspark" and engine is not None:
+                drafter = engine.runner.drafter
+                result["fast_paths"][f"dspark-k{BLOCK}"].update(
+                    graph_blocks=drafter.num_graph_blocks, eager_blocks=drafter.num_eager_blocks)
                 try:
                     rows["handover"] = handover_costs(engine, prompt, 3 if args.tiny else 10)
                     print("handover", json.dumps(rows["handover"]), flush=True)

@@ -52,9 +52,11 @@ TINY_RUN = ((1, 2), (1, 2), (0.0, 1.0), 24, 8)
 ANCHORS = {"deepseek_v3_mtp_second_token": [0.85, 0.90], "v4_accepted_tokens_per_step_k3": 3.1}
 
 
-def make_engine(path: str, device: str, method: str, k: int, max_num_seqs: int) -> LLMEngine:
+def make_engine(path: str, device: str, method: str, k: int, max_num_seqs: int, **settings: Any) -> LLMEngine:
+    """``settings``: more ModelConfig fields (e.g. ``dspark_cuda_graphs``)."""
     return LLMEngine(ModelConfig(model=path, load_format="dummy", device=device, dtype="bfloat16",
-                                 max_model_len=2048, speculative_method=method, num_speculative_tokens=max(k, 1)),
+                                 max_model_len=2048, speculative_method=method, num_speculative_tokens=max(k, 1),
+                                 **settings),
                      CacheConfig(block_size=16, gpu_memory_utilization=0.85),
                      SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192))
 
@@ -86,14 +88,14 @@ def measure(engine: LLMEngine, batch: int, prompt: int, new: int, name: str) -> 
 
 
 def run_method(result: dict[str, Any], path: str, device: str, method: str, k: int, acceptance: tuple[float, ...],
-               batches: tuple[int, ...], prompt: int, new: int) -> LLMEngine | None:
+               batches: tuple[int, ...], prompt: int, new: int, **settings: Any) -> LLMEngine | None:
     """One row group: an engine for ``method`` (``none``, ``verify``: a verify step of ``k`` drafts
     alone, or a drafter), its fast paths recorded, and a row per set acceptance (drafters only)
     and batch. Returns the engine (None where it could not be built: the error is recorded)."""
     on_gpu = device.startswith("cuda")
     speculating = method not in ("none", "verify")
     try:
-        engine = make_engine(path, device, {"verify": "ngram"}.get(method, method), k, max(batches))
+        engine = make_engine(path, device, {"verify": "ngram"}.get(method, method), k, max(batches), **settings)
     except Exception as exc:  # noqa: BLE001 - record and go on
         result["errors"][f"{method}-k{k}"] = repr(exc)
         return None

@@ -79,6 +79,10 @@ class ModelConfig:
     #: dspark: a block's drafts stop at the first whose confidence head gives it less than this
     #: chance of acceptance (sigmoid); 0 (default): every block verifies all its drafts.
     dspark_confidence_threshold: float = 0.0
+    #: dspark on a GPU: each block replays a captured CUDA graph (cluster/engine/dspark_graphs.py)
+    #: instead of launching its kernels from Python. Off by default until the GPU gate
+    #: (bench/gpu_session.sh gpucheck) has run it on a device; off, ``/v1/backends`` says so.
+    dspark_cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))

@@ -6,7 +6,11 @@ row it computes (more layers of the ``swa`` group): there is nothing to catch up
 nothing to roll back after a rejection (a block at ``P`` reads positions below ``P`` only, all of
 them verified). A proposal is one block per request, ``dspark_block_size`` rows through the
 stages, then the Markov head row by row; ``dspark_confidence_threshold`` > 0 stops a block at its
-first draft whose confidence (``sigmoid``) is below it, so fewer positions are verified.
+first draft whose confidence (``sigmoid``) is below it, so fewer positions are verified. On a
+GPU with ``dspark_cuda_graphs`` a proposal replays a captured CUDA graph (``DSparkGraphs``,
+cluster/engine/dspark_graphs.py); where none is captured (the setting off, a CPU,
+``enforce_eager``, a failed capture: ``graph_status`` says why, as ``/v1/backends`` does) the
+block's kernels are launched from Python.
 
 Disaggregated: the prefill replica's forward wrote the prompt's entries, which travel with the
 ``swa`` blocks; its hand-over is a layout descriptor and a CRC32 of the entries the first block
@@ -26,18 +30,20 @@ import numpy as np
 import torch
 
 from cluster.common.errors import UnsupportedSettingError
-from cluster.engine.cuda_graphs import GraphStatus
+from cluster.engine.cuda_graphs import GraphStatus, capture_with_status
+from cluster.engine.dspark_graphs import DSparkGraphs
 from cluster.engine.draft_runner import DraftJob
 
 logger = logging.getLogger(__name__)
 
 
 class DSparkRunner:
-    #: No CUDA graphs for the blocks yet (the verify steps run synchronously with DSpark).
+    #: No draft-head graphs: those serve pipelined verify steps, which DSpark does not have yet (its
+    #: verify steps run synchronously). Its blocks replay their own graphs (``block_graphs``).
     graphs = None
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
-                 num_tokens: int, confidence_threshold: float = 0.0) -> None:
+                 num_tokens: int, confidence_threshold: float = 0.0, cuda_graphs: bool = False) -> None:
         drafter = getattr(model, "dspark", None)
         if drafter is None or not getattr(model, "drafts_with_dspark", False):
             raise UnsupportedSettingError(
@@ -51,11 +57,18 @@ class DSparkRunner:
         self.model, self.drafter = model, drafter
         self.kv_caches, self.block_size, self.device = kv_caches, block_size, device
         self.threshold = confidence_threshold
+        #: Whether ``capture_graphs`` captures the blocks (``dspark_cuda_graphs``).
+        self.cuda_graphs = cuda_graphs
         self.hidden_size = 0  # no hidden state is kept or handed over
-        self.graph_status = GraphStatus(reason="DSpark blocks run eagerly (not captured)")
+        self.graph_status = GraphStatus(reason="not captured")
+        #: The blocks as captured CUDA graphs (``capture_graphs``).
+        self.block_graphs: DSparkGraphs | None = None
         #: Requests that draft nothing: their hand-over was missing or did not match.
         self.disabled: set[str] = set()
         self.num_blocks = 0
+        #: Proposals replayed from a graph / drafted eagerly.
+        self.num_graph_blocks = 0
+        self.num_eager_blocks = 0
         self.num_block_rows = 0
         self.num_early_stops = 0
         self.num_handovers_checked = 0
@@ -63,6 +76,20 @@ class DSparkRunner:
 
     def capture_graphs(self, num_tokens: int, max_batch: int, table_width: int, max_model_len: int,
                        emulate: bool = False) -> GraphStatus:
+        """Capture the block proposal (``DSparkGraphs``) for up to ``max_batch`` requests whose
+        ``swa`` tables have at most ``table_width`` blocks; a capture or self-check that fails
+        leaves the blocks eager, and the returned status (also ``graph_status``) says why."""
+        if not self.cuda_graphs:
+            self.graph_status = GraphStatus(reason="dspark_cuda_graphs is off (the default until the GPU gate has run "
+                                                   "the block graphs on a device)")
+            return self.graph_status
+        if self.device.type != "cuda" and not emulate:
+            self.graph_status = GraphStatus(reason=f"the device is {self.device.type}: CUDA graphs need a CUDA device")
+            return self.graph_status
+        graphs = DSparkGraphs(self, max_batch, table_width, max_model_len, emulate=emulate)
+        self.graph_status = capture_with_status(graphs, self.device, "DSpark block", "its blocks are drafted eagerly")
+        if self.graph_status.captured:
+            self.block_graphs = graphs
         return self.graph_status
 
     # --- state (all of it in the KV groups) -------------------------------------------------------
@@ -147,15 +174,22 @@ class DSparkRunner:
             return out
         group = self.drafter.layers[0][0]
         rows = [block_tables[job.request_id][group] for job in live]
-        tables = np.zeros((len(live), max(1, max(len(r) for r in rows))), dtype=np.int32)
-        for i, r in enumerate(rows):
-            tables[i, :len(r)] = r
-        dev = self.device
-        anchors = torch.tensor([job.token for job in live], dtype=torch.long, device=dev)
-        positions = torch.tensor([job.position for job in live], dtype=torch.long, device=dev)
-        model = self.model
-        drafts, _, confidence = self.drafter.draft_block(model.embed, model.head_logits, model.rope, self.kv_caches,
-                                                         torch.from_numpy(tables).to(dev), anchors, positions)
+        graphs = self.block_graphs
+        if graphs is not None and graphs.can_run(rows):
+            self.num_graph_blocks += 1
+            drafts, confidence = graphs.run(rows, [job.token for job in live], [job.position for job in live])
+        else:
+            self.num_eager_blocks += 1
+            tables = np.zeros((len(live), max(1, max(len(r) for r in rows))), dtype=np.int32)
+            for i, r in enumerate(rows):
+                tables[i, :len(r)] = r
+            dev = self.device
+            anchors = torch.tensor([job.token for job in live], dtype=torch.long, device=dev)
+            positions = torch.tensor([job.position for job in live], dtype=torch.long, device=dev)
+            model = self.model
+            drafts, _, confidence = self.drafter.draft_block(model.embed, model.head_logits, model.rope,
+                                                             self.kv_caches, torch.from_numpy(tables).to(dev),
+                                                             anchors, positions)
         self.num_blocks += 1
         self.num_block_rows += len(live) * self.drafter.spec.block_size
         table = drafts.tolist()
@@ -171,6 +205,8 @@ class DSparkRunner:
 
     def counters(self) -> dict[str, float]:
         return {"dspark_blocks_total": float(self.num_blocks),
+                "dspark_graph_blocks_total": float(self.num_graph_blocks),
+                "dspark_eager_blocks_total": float(self.num_eager_blocks),
                 "dspark_block_rows_total": float(self.num_block_rows),
                 "dspark_early_stops_total": float(self.num_early_stops),
                 "dspark_handovers_checked_total": float(self.num_handovers_checked),

@@ -191,10 +191,10 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             else:
                 logger.info("verify-step CUDA graphs %s", verify.describe())
         if status.captured or self.device.type != "cuda":
-            logger.info("draft-head CUDA graphs %s", status.describe())
+            logger.info("draft CUDA graphs %s", status.describe())
         else:
-            logger.warning("draft-head CUDA graphs are OFF (%s): every proposal launches its k passes' kernels "
-                           "from Python, slower than the verify step it feeds", status.reason)
+            logger.warning("draft CUDA graphs are OFF (%s): every proposal launches its kernels from Python, "
+                           "slower than the verify step it feeds", status.reason)
 
     def _init_spec_pipelining(self) -> None:
         """Verify steps run pipelined (spec_pipeline.py) with the draft head, ``async_scheduling``
@@ -215,7 +215,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         """Why verify steps cannot run pipelined ("" where they can)."""
         if self.model_config.speculative_method not in ("draft_head", "mtp"):
             if self.model_config.speculative_method == "dspark":
-                return "speculative_method='dspark' drafts its blocks eagerly (no pipelined verify steps for it yet)"
+                return "speculative_method='dspark' has no pipelined verify steps yet: each waits for its block's drafts"
             return f"speculative_method={self.model_config.speculative_method!r} proposes on the host"
         if len(self.kv_specs) != 1:
             return (f"the model's KV is {len(self.kv_specs)} groups ({', '.join(s.name for s in self.kv_specs)}): "
@@ -271,7 +271,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         from cluster.engine.dspark_runner import DSparkRunner
         runner = DSparkRunner(self.model, self.runner.kv_caches, self.cache_config.block_size, self.device,
                               self.model_config.num_speculative_tokens,
-                              self.model_config.dspark_confidence_threshold)
+                              self.model_config.dspark_confidence_threshold, self.model_config.dspark_cuda_graphs)
         self.runner.drafter = runner  # type: ignore[assignment]
         spec = runner.drafter.spec
         logger.info("DSpark drafts blocks of %d (%d stages, %d parameters, features of layers %s, entries as layers "
@@ -391,8 +391,13 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
                          "device": device, "role": "draft", "format": "-", "reason": reason})
         if self.runner.drafter is not None:
             graphs = self.runner.drafter.graph_status
-            where = (f"the proposal (its k passes and argmaxes) replays CUDA graphs, {graphs.describe()}"
-                     if graphs.captured else f"the head's passes run eagerly (CUDA graphs {graphs.describe()})")
+            if self.model_config.speculative_method == "dspark":
+                where = (f"each block (its stages, LM and Markov heads) replays a CUDA graph, {graphs.describe()}"
+                         if graphs.captured else f"each block's kernels launch from Python (CUDA graphs "
+                                                 f"{graphs.describe()})")
+            else:
+                where = (f"the proposal (its k passes and argmaxes) replays CUDA graphs, {graphs.describe()}"
+                         if graphs.captured else f"the head's passes run eagerly (CUDA graphs {graphs.describe()})")
             rows.append({"component": self.model_config.speculative_method, "op": "draft_pass",
                          "impl": "graph" if graphs.captured else "eager",
                          "device": device, "role": "draft", "format": str(self.dtype).removeprefix("torch."),
@@ -401,6 +406,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
 
     def _draft_sampling(self) -> str:
         """How the draft head drafts for greedy and sampled requests (``/v1/backends``)."""
+        if self.model_config.speculative_method == "dspark":
+            return "every request's drafts are the block's argmax over the Markov-corrected logits"
         if self.model_config.speculative_draft_sampling == "greedy":
             return "drafts are the head's argmax (speculative_draft_sampling='greedy')"
         out = ("greedy requests draft the head's argmax, sampled ones draw from the head's distribution with the "

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from cluster import LLM, SamplingParams
 from cluster.common.errors import ModelLoadError, UnsupportedArchitectureError, UnsupportedSettingError
+from cluster.engine.cuda_graphs import GraphUnsafeError
 from cluster.engine.request import Request
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tests.deepseek_factories import SWA, add_dspark, copy_checkpoint, edit_config, edit_tensors, \
@@ -364,6 +365,120 @@ def test_aborts_free_every_block(v4):
     llm = dspark_llm(v4, max_num_batched_tokens=24)
     run_with_aborts(llm.engine, PROMPTS, requests=80)
     assert llm.engine.kv.usage == 0.0 and not llm.engine.runner.drafter.disabled
+
+
+def test_block_graphs_are_off_by_default_and_say_so(v4):
+    """Until the GPU gate has run them, the block graphs are opt-in (``dspark_cuda_graphs``): off,
+    nothing is captured even where it could be, and ``/v1/backends`` says why."""
+    llm = dspark_llm(v4)
+    llm.engine._capture_draft_graphs(emulate=True)
+    runner = llm.engine.runner.drafter
+    assert runner.block_graphs is None and "dspark_cuda_graphs is off" in runner.graph_status.reason
+    row = next(r for r in llm.engine.backends() if r["component"] == "dspark")
+    assert row["impl"] == "eager" and "dspark_cuda_graphs is off" in row["reason"]
+
+
+def test_blocks_replayed_from_emulated_cuda_graphs_equal_the_eager_blocks(v4):
+    """DSpark's blocks in (emulated) CUDA graphs: three requests padded into the graph of four
+    draft the eager block's drafts and confidence; served, greedy, seeded and ``n > 1`` output
+    equals no speculation with every block from a graph; a graph that froze its inputs is refused
+    by the self-check."""
+    params = [greedy(30), SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, n=2),
+              greedy(7), SamplingParams(temperature=0.0, max_tokens=25, n=2, ignore_eos=True), greedy(33)]
+    want = output_summary(LLM(v4, block_size=4, max_num_batched_tokens=16).generate(PROMPTS, params))
+    # the MoE's Triton kernels (interpreted): the reference MoE groups rows on the host
+    llm = dspark_llm(v4, max_num_batched_tokens=16, max_num_seqs=4, moe_backend="triton", draft_moe_backend="triton",
+                     dspark_cuda_graphs=True)
+    engine = llm.engine
+    engine._capture_draft_graphs(emulate=True)
+    runner = engine.runner.drafter
+    graphs = runner.block_graphs
+    assert runner.graph_status.captured and graphs is not None and graphs.sizes == [1, 2, 4]
+    row = next(r for r in engine.backends() if r["component"] == "dspark")
+    assert row["impl"] == "graph" and "replays a CUDA graph, captured: batch sizes 1, 2, 4" in row["reason"]
+    # three requests' context written by a prefill, then their blocks: graph against eager
+    model, tables, anchors, positions = engine.model, [], [], []
+    for n, prompt in enumerate(PROMPTS[1:4]):
+        rid, context = f"direct{n}", prompt[:-1]
+        assert engine.kv.allocate(rid, len(prompt) + BLOCK)
+        table = engine.kv.block_tables(rid)
+        sched = SchedulerOutput([ScheduledRequest(Request(rid, context, SamplingParams()), 0, len(context), rid,
+                                                  context)], {rid: table})
+        with torch.no_grad():
+            engine.runner.forward(sched)
+        tables.append(table[0])
+        anchors.append(prompt[-1])
+        positions.append(len(context))
+    got, got_conf = graphs.run(tables, anchors, positions)
+    width = max(len(t) for t in tables)
+    with torch.no_grad():
+        drafts, _, confidence = runner.drafter.draft_block(
+            model.embed, model.head_logits, model.rope, engine.runner.kv_caches,
+            torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(anchors), torch.tensor(positions))
+    assert got.tolist() == drafts.tolist()
+    torch.testing.assert_close(got_conf, confidence, rtol=1e-4, atol=1e-4)
+    for n in range(3):
+        engine.kv.free(f"direct{n}")
+    # served: every block from a graph, output unchanged
+    assert output_summary(llm.generate(PROMPTS, params)) == want
+    assert runner.num_graph_blocks > 5 and runner.num_eager_blocks == 0
+    assert runner.counters()["dspark_graph_blocks_total"] == runner.num_graph_blocks
+    assert engine.kv.usage == 0.0
+    assert engine.runner.verify_graphs is None  # DSpark's verify steps stay synchronous
+
+    class Frozen:
+        def __init__(self) -> None:
+            self.output = tuple(t.clone() for t in graphs.forward(4))
+
+        def replay(self) -> None:
+            graphs.outputs[4] = self.output
+    graphs.graphs[4] = Frozen()
+    with pytest.raises(GraphUnsafeError, match="batch 4"):
+        graphs.verify()
+    assert int(graphs.tables.abs().sum()) == 0  # the placeholders are back
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_blocks_replayed_from_cuda_graphs_on_the_gpu(v4):
+    """On a GPU (bfloat16): DSpark's blocks replay captured CUDA graphs, which draft the eager
+    block's tokens for three requests padded into the graph of four; served, the output equals
+    DSpark's with everything eager, token for token, every block from a graph."""
+    common = dict(block_size=16, max_num_seqs=4, max_model_len=256, dtype="bfloat16", speculative_method="dspark",
+                  num_speculative_tokens=BLOCK, dspark_cuda_graphs=True)
+    prompts = PROMPTS[:3]
+    want = output_summary(LLM(v4, enforce_eager=True, **common).generate(prompts, greedy(24)))
+    llm = LLM(v4, **common)
+    engine = llm.engine
+    runner = engine.runner.drafter
+    graphs = runner.block_graphs
+    assert runner.graph_status.captured and graphs is not None and graphs.sizes == [1, 2, 4], runner.graph_status
+    assert output_summary(llm.generate(prompts, greedy(24))) == want
+    assert runner.num_graph_blocks > 5 and runner.num_eager_blocks == 0
+    assert engine.kv.usage == 0.0
+    model, tables, anchors, positions = engine.model, [], [], []
+    for n, prompt in enumerate(prompts):
+        rid, context = f"direct{n}", prompt[:-1]
+        assert engine.kv.allocate(rid, len(prompt) + BLOCK)
+        table = engine.kv.block_tables(rid)
+        sched = SchedulerOutput([ScheduledRequest(Request(rid, context, SamplingParams()), 0, len(context), rid,
+                                                  context)], {rid: table})
+        with torch.inference_mode():
+            engine.runner.forward(sched)
+        tables.append(table[0])
+        anchors.append(prompt[-1])
+        positions.append(len(context))
+    got, got_conf = graphs.run(tables, anchors, positions)
+    width = max(len(t) for t in tables)
+    with torch.inference_mode():
+        drafts, _, confidence = runner.drafter.draft_block(
+            model.embed, model.head_logits, model.rope, engine.runner.kv_caches,
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], device="cuda"),
+            torch.tensor(anchors, device="cuda"), torch.tensor(positions, device="cuda"))
+    assert float((got == drafts).float().mean()) >= 0.9  # bf16 rounding may flip a near-tie
+    torch.testing.assert_close(got_conf, confidence, rtol=5e-2, atol=5e-2)
+    for n in range(3):
+        engine.kv.free(f"direct{n}")
 
 
 # --- disaggregated ------------------------------------------------------------------------------
