@@ -367,6 +367,35 @@ def test_aborts_free_every_block(v4):
     assert llm.engine.kv.usage == 0.0 and not llm.engine.runner.drafter.disabled
 
 
+def graph_and_eager_blocks(engine, prompts):
+    """Each prompt but its last token prefilled as a request of its own, then the blocks anchored
+    at those last tokens drafted by the engine's block graphs and eagerly: ``((drafts, confidence)
+    from the graph, (drafts, confidence) eager)``; the requests are freed."""
+    runner, model, dev = engine.runner.drafter, engine.model, engine.device
+    tables, anchors, positions = [], [], []
+    for n, prompt in enumerate(prompts):
+        rid, context = f"direct{n}", prompt[:-1]
+        assert engine.kv.allocate(rid, len(prompt) + BLOCK)
+        table = engine.kv.block_tables(rid)
+        sched = SchedulerOutput([ScheduledRequest(Request(rid, context, SamplingParams()), 0, len(context), rid,
+                                                  context)], {rid: table})
+        with torch.inference_mode():
+            engine.runner.forward(sched)
+        tables.append(table[0])
+        anchors.append(prompt[-1])
+        positions.append(len(context))
+    graph = runner.block_graphs.run(tables, anchors, positions)
+    width = max(len(t) for t in tables)
+    with torch.inference_mode():
+        drafts, _, confidence = runner.drafter.draft_block(
+            model.embed, model.head_logits, model.rope, engine.runner.kv_caches,
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev),
+            torch.tensor(anchors, device=dev), torch.tensor(positions, device=dev))
+    for n in range(len(prompts)):
+        engine.kv.free(f"direct{n}")
+    return graph, (drafts, confidence)
+
+
 def test_block_graphs_are_off_by_default_and_say_so(v4):
     """Until the GPU gate has run them, the block graphs are opt-in (``dspark_cuda_graphs``): off,
     nothing is captured even where it could be, and ``/v1/backends`` says why."""
@@ -396,29 +425,9 @@ def test_blocks_replayed_from_emulated_cuda_graphs_equal_the_eager_blocks(v4):
     assert runner.graph_status.captured and graphs is not None and graphs.sizes == [1, 2, 4]
     row = next(r for r in engine.backends() if r["component"] == "dspark")
     assert row["impl"] == "graph" and "replays a CUDA graph, captured: batch sizes 1, 2, 4" in row["reason"]
-    # three requests' context written by a prefill, then their blocks: graph against eager
-    model, tables, anchors, positions = engine.model, [], [], []
-    for n, prompt in enumerate(PROMPTS[1:4]):
-        rid, context = f"direct{n}", prompt[:-1]
-        assert engine.kv.allocate(rid, len(prompt) + BLOCK)
-        table = engine.kv.block_tables(rid)
-        sched = SchedulerOutput([ScheduledRequest(Request(rid, context, SamplingParams()), 0, len(context), rid,
-                                                  context)], {rid: table})
-        with torch.no_grad():
-            engine.runner.forward(sched)
-        tables.append(table[0])
-        anchors.append(prompt[-1])
-        positions.append(len(context))
-    got, got_conf = graphs.run(tables, anchors, positions)
-    width = max(len(t) for t in tables)
-    with torch.no_grad():
-        drafts, _, confidence = runner.drafter.draft_block(
-            model.embed, model.head_logits, model.rope, engine.runner.kv_caches,
-            torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(anchors), torch.tensor(positions))
+    (got, got_conf), (drafts, confidence) = graph_and_eager_blocks(engine, PROMPTS[1:4])
     assert got.tolist() == drafts.tolist()
     torch.testing.assert_close(got_conf, confidence, rtol=1e-4, atol=1e-4)
-    for n in range(3):
-        engine.kv.free(f"direct{n}")
     # served: every block from a graph, output unchanged
     assert output_summary(llm.generate(PROMPTS, params)) == want
     assert runner.num_graph_blocks > 5 and runner.num_eager_blocks == 0
@@ -456,29 +465,9 @@ def test_blocks_replayed_from_cuda_graphs_on_the_gpu(v4):
     assert output_summary(llm.generate(prompts, greedy(24))) == want
     assert runner.num_graph_blocks > 5 and runner.num_eager_blocks == 0
     assert engine.kv.usage == 0.0
-    model, tables, anchors, positions = engine.model, [], [], []
-    for n, prompt in enumerate(prompts):
-        rid, context = f"direct{n}", prompt[:-1]
-        assert engine.kv.allocate(rid, len(prompt) + BLOCK)
-        table = engine.kv.block_tables(rid)
-        sched = SchedulerOutput([ScheduledRequest(Request(rid, context, SamplingParams()), 0, len(context), rid,
-                                                  context)], {rid: table})
-        with torch.inference_mode():
-            engine.runner.forward(sched)
-        tables.append(table[0])
-        anchors.append(prompt[-1])
-        positions.append(len(context))
-    got, got_conf = graphs.run(tables, anchors, positions)
-    width = max(len(t) for t in tables)
-    with torch.inference_mode():
-        drafts, _, confidence = runner.drafter.draft_block(
-            model.embed, model.head_logits, model.rope, engine.runner.kv_caches,
-            torch.tensor([t + [0] * (width - len(t)) for t in tables], device="cuda"),
-            torch.tensor(anchors, device="cuda"), torch.tensor(positions, device="cuda"))
+    (got, got_conf), (drafts, confidence) = graph_and_eager_blocks(engine, prompts)
     assert float((got == drafts).float().mean()) >= 0.9  # bf16 rounding may flip a near-tie
     torch.testing.assert_close(got_conf, confidence, rtol=5e-2, atol=5e-2)
-    for n in range(3):
-        engine.kv.free(f"direct{n}")
 
 
 # --- disaggregated ------------------------------------------------------------------------------
