@@ -429,6 +429,9 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,
             "cuda_graphs_captured": float(self.runner.graph_status.captured),
         }
+        sizer = self.scheduler.chunk_sizer
+        if sizer is not None:  # the prompt chunk cap the sizer learned (prefill_step_target_s)
+            out["prefill_chunk_cap"] = float(sizer.cap)
         if self.runner.drafter is not None:
             out["draft_head_graphs_captured"] = float(self.runner.drafter.graph_status.captured)
         if self.proposer is not None:
