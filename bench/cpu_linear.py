@@ -1,8 +1,11 @@
 """CPU projections of the embedded default (SmolLM2-135M's shapes), by rows of activations: the
 int4 weight-only kernel (the GGUF's 4-bit codes), a bfloat16 GEMM over the dequantized weight,
-and float32 ``F.linear``; the logits projection as int8 rows against bfloat16. The crossovers
-set ``kernels.cpu_quant.DENSE_FROM_ROWS`` and ``DENSE_LOGITS_FROM_ROWS``. Random weights (the
-kernels' time does not depend on the values), medians of timed calls after a warm-up.
+and float32 ``F.linear``, and the dense product the engine takes (``q4_matmul(dense=True)``: over
+a bfloat16 copy where oneDNN multiplies bfloat16 natively, else a float32 one:
+``kernels.cpu_quant.dense_dtype``); the logits projection as int8 rows against bfloat16 and the
+engine's dense copy. The crossovers set ``kernels.cpu_quant.DENSE_FROM_ROWS`` and
+``DENSE_LOGITS_FROM_ROWS``. Random weights (the kernels' time does not depend on the values),
+medians of timed calls after a warm-up.
 
     python bench/cpu_linear.py --out bench/results/cpu-linear-<date>.json
 """
@@ -21,12 +24,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
-from kernels.cpu_quant import (DENSE_FROM_ROWS, DENSE_LOGITS_FROM_ROWS, linear_q8, pack_q4,  # noqa: E402
-                               pack_q8_rows)
+from kernels.cpu_quant import (DENSE_FROM_ROWS, DENSE_LOGITS_FROM_ROWS, dense_dtype, linear_q8,  # noqa: E402
+                               native_bfloat16_gemm, pack_q4, pack_q8_rows, q4_matmul)
 
 SHAPES = {"gate_up [3072, 576]": (3072, 576), "down [576, 1536]": (576, 1536), "qkv [960, 576]": (960, 576),
           "o [576, 576]": (576, 576)}
-ROWS = (1, 2, 4, 8, 16, 32)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 
 
 def timed(fn, calls: int) -> float:
@@ -50,7 +53,7 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         codes = torch.randint(0, 16, (n, k))
         q4 = pack_q4(codes, torch.rand(n, k // 32) * 0.01, -torch.rand(n, k // 32) * 0.05, dense=True)
-        dense, f32 = q4.dense, q4.dense.float()
+        dense, f32 = q4.dense.to(torch.bfloat16), q4.dense.float()
         table = []
         for m in ROWS:
             x = torch.randn(m, k)
@@ -58,21 +61,27 @@ def main() -> None:
             table.append({"rows": m,
                           "int4_us": round(timed(lambda: torch._weight_int4pack_mm_for_cpu(xb, q4.packed, 32, q4.scales_zeros), args.calls), 1),
                           "bf16_us": round(timed(lambda: F.linear(xb, dense), args.calls), 1),
-                          "fp32_us": round(timed(lambda: F.linear(x, f32), args.calls), 1)})
+                          "fp32_us": round(timed(lambda: F.linear(x, f32), args.calls), 1),
+                          "dense_us": round(timed(lambda: q4_matmul(x, q4, dense=True), args.calls), 1)})
         rows_out[name] = table
         print(name, table, flush=True)
     w = torch.randn(49152, 576)
     q8 = pack_q8_rows(w, dense=True)
     plain = pack_q8_rows(w)
     logits = []
+    bf16_logits = q8.dense.to(torch.bfloat16)
     for m in (1, 4, 8, 16, 32):
         x = torch.randn(m, 576)
         logits.append({"rows": m, "int8_us": round(timed(lambda: linear_q8(x, plain), 8), 1),
-                       "bf16_us": round(timed(lambda: F.linear(x.to(torch.bfloat16), q8.dense), 8), 1)})
+                       "bf16_us": round(timed(lambda: F.linear(x.to(torch.bfloat16), bf16_logits), 8), 1),
+                       "dense_us": round(timed(lambda: linear_q8(x, q8), 8), 1) if m >= DENSE_LOGITS_FROM_ROWS
+                       else None})
     print("logits [49152, 576]", logits, flush=True)
     write_result(args.out, {"benchmark": "cpu_linear", "environment": environment(), "projections": rows_out,
                             "logits": logits, "dense_from_rows": DENSE_FROM_ROWS,
                             "dense_logits_from_rows": DENSE_LOGITS_FROM_ROWS,
+                            "native_bfloat16_gemm": native_bfloat16_gemm(),
+                            "dense_dtype": str(dense_dtype()).removeprefix("torch."),
                             "anchor": "the int4 / int8 weight-only kernels at the same rows, same run"})
 
 

@@ -20,11 +20,15 @@ with the rows: 12x from 1 to 32 rows for a [3072, 576] projection on this machin
 while a bfloat16 GEMM over the dequantized weight costs about the same from 4 rows to 32 (oneDNN).
 So a weight may also carry ``dense``, its bfloat16 dequantization, used from ``DENSE_FROM_ROWS``
 rows of activations on (batched decode, prefill chunks, verify batches of several requests);
-fewer rows read the 4-bit codes. The crossovers are measured by bench/cpu_linear.py. The references (``*_ref``) dequantize to float32 and multiply as ``F.linear``,
+fewer rows read the 4-bit codes. Where oneDNN has no native bfloat16 GEMM (no AVX-512 BF16 or
+AMX: ``dense_dtype``), ``dense`` is float32 instead, fed the same bfloat16-rounded activations
+and rounded back to bfloat16: an emulated bfloat16 GEMM there is slower than the int4 kernel
+(3.5x at 256 rows of a [1536, 576] projection on an AVX2 core), a float32 one 2.3x faster. The crossovers are measured by bench/cpu_linear.py. The references (``*_ref``) dequantize to float32 and multiply as ``F.linear``,
 for tests.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +42,24 @@ GROUP_SIZE = 32
 DENSE_FROM_ROWS = 9
 #: ... and than the int8 logits kernel (1.4x faster at 8 rows, 3.6x at 32).
 DENSE_LOGITS_FROM_ROWS = 8
+
+
+def native_bfloat16_gemm() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (AVX-512 BF16, AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def dense_dtype() -> torch.dtype:
+    """The dtype of a weight's ``dense`` copy: bfloat16 where oneDNN multiplies bfloat16 natively,
+    else float32 (see the module docstring)."""
+    return torch.bfloat16 if native_bfloat16_gemm() else torch.float32
+
+
+def _dense_linear(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bfloat16 times ``dense``'s transpose, in ``dense``'s dtype, rounded to
+    bfloat16 (a bfloat16 GEMM's result, whichever dtype computes it)."""
+    return F.linear(x.to(torch.bfloat16).to(dense.dtype), dense).to(torch.bfloat16)
 
 
 def int4_cpu_available() -> bool:
@@ -94,7 +116,7 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     weight = Q4Weight(packed, scales_zeros, group_size, n, k)
     if dense:
         weight = Q4Weight(packed, scales_zeros, group_size, n, k,
-                          q4_dequantize_ref(codes, weight).to(torch.bfloat16).contiguous())
+                          q4_dequantize_ref(codes, weight).to(torch.bfloat16).to(dense_dtype()).contiguous())
     return weight
 
 
@@ -112,7 +134,7 @@ def q4_matmul(x: torch.Tensor, weight: Q4Weight, dense: bool | None = None) -> t
     kernels' own dtype: the bfloat16 GEMM over ``weight.dense`` when it exists and ``dense`` says
     so (None: from ``DENSE_FROM_ROWS`` rows on), the int4 kernel otherwise."""
     if weight.dense is not None and (dense or (dense is None and x.shape[0] >= DENSE_FROM_ROWS)):
-        return F.linear(x.to(torch.bfloat16), weight.dense)
+        return _dense_linear(x, weight.dense)
     return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,
                                              weight.scales_zeros)
 
@@ -137,7 +159,7 @@ def pack_q8_rows(weight: torch.Tensor, dense: bool = False) -> Q8Weight:
     codes = (w / scale_bf16.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
     q8 = Q8Weight(codes.contiguous(), scale_bf16.contiguous())
     if dense:
-        q8 = Q8Weight(q8.codes, q8.scales, q8_dequantize_ref(q8).to(torch.bfloat16).contiguous())
+        q8 = Q8Weight(q8.codes, q8.scales, q8_dequantize_ref(q8).to(torch.bfloat16).to(dense_dtype()).contiguous())
     return q8
 
 
@@ -148,7 +170,7 @@ def q8_dequantize_ref(weight: Q8Weight) -> torch.Tensor:
 def linear_q8(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     """``x [T, K]`` -> ``[T, N]`` in ``x``'s dtype."""
     if weight.dense is not None and x.shape[0] >= DENSE_LOGITS_FROM_ROWS:
-        return F.linear(x.to(torch.bfloat16), weight.dense).to(x.dtype)
+        return _dense_linear(x, weight.dense).to(x.dtype)
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), weight.codes, weight.scales).to(x.dtype)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from cluster.models.layers import Linear
 from cluster.models.loader import ParamTarget
-from kernels.cpu_quant import (DENSE_FROM_ROWS, DENSE_LOGITS_FROM_ROWS, GROUP_SIZE, can_pack_q4, int4_cpu_available,
+from kernels.cpu_quant import (DENSE_FROM_ROWS, DENSE_LOGITS_FROM_ROWS, GROUP_SIZE, can_pack_q4, dense_dtype, int4_cpu_available,
                                pack_q4, pack_q8_rows)
 
 logger = logging.getLogger(__name__)
@@ -66,13 +66,14 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
         module.quantize(weight)
         packed += 1
         q4_bytes += weight.nbytes
-        dense_bytes += weight.dense.numel() * 2 if weight.dense is not None else 0
+        dense_bytes += weight.dense.numel() * weight.dense.element_size() if weight.dense is not None else 0
     rows = [{"component": "linear", "op": "linear", "format": "gguf_q4_1", "impl": "torch_int4pack_cpu",
              "device": "cpu", "role": "main",
              "reason": f"{packed} projections keep the file's 4-bit codes ({q4_bytes / 2**20:.0f} MiB; scales and "
                        f"zeros in bfloat16, activations rounded to bfloat16 for the matmul); from "
-                       f"{DENSE_FROM_ROWS} rows of activations on, their bfloat16 dequantization "
-                       f"({dense_bytes / 2**20:.0f} MiB, a GEMM that costs about the same for 4 rows as for 32)"
+                       f"{DENSE_FROM_ROWS} rows of activations on, their bfloat16 dequantization as "
+                       f"{_dense_name()} ({dense_bytes / 2**20:.0f} MiB, a GEMM that costs about the same for 4 "
+                       f"rows as for 32{_dense_why()})"
                        + (f"; {kept} stay float32 (shapes the kernel does not take)" if kept else "")}]
     embed_type = checkpoint.tensor_types().get("model.embed_tokens.weight", "F32")
     if getattr(net, "lm_head", None) is None and embed_type in _QUANTIZED_TYPES and hasattr(net, "quantize_logits"):
@@ -84,7 +85,7 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
                          "impl": "torch_int8pack_cpu", "device": "cpu", "role": "main",
                          "reason": f"the tied {embed_type} embedding as int8 with one scale per row "
                                    f"({q8.nbytes / 2**20:.0f} MiB); from {DENSE_LOGITS_FROM_ROWS} rows on, "
-                                   f"its bfloat16 dequantization"})
+                                   f"its bfloat16 dequantization as {_dense_name()}{_dense_why()}"})
     if packed and hasattr(net, "cpu_decode"):
         rows.append(_lean_decode(net))
     logger.info("CPU weights: %s", "; ".join(r["reason"] for r in rows))
@@ -127,3 +128,15 @@ def _lean_decode(net: nn.Module) -> dict[str, Any]:
     return {**row, "impl": "lean_cpu_decode",
             "reason": "decode-only steps in one pass with fewer torch ops (shared per-step tables, fused norms, "
                       "one-flip rotation); same numbers as the layers"}
+
+
+def _dense_name() -> str:
+    return str(dense_dtype()).removeprefix("torch.")
+
+
+def _dense_why() -> str:
+    """Why the dense copies are not bfloat16, where they are not (``/v1/backends``)."""
+    if dense_dtype() is torch.bfloat16:
+        return ""
+    return ("; float32 because this CPU has no native bfloat16 GEMM (no AVX-512 BF16 or AMX), where an emulated "
+            "one is slower than the 4-bit kernel")

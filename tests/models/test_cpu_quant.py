@@ -42,12 +42,39 @@ def test_int4_linear_matches_its_dequantized_reference(rows, gated):
     assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "emulated-bf16"])
+def test_the_dense_copies_are_float32_where_the_cpu_has_no_bfloat16_gemm(native, monkeypatch):
+    """Without a native bfloat16 GEMM (an AVX2 core: oneDNN emulates it, slower than the int4
+    kernel), the dense copies are float32: the bfloat16 dequantization's values, fed the same
+    bfloat16-rounded activations, their products rounded to bfloat16 as the bfloat16 GEMM's are,
+    so both dtypes give the same products within float32 summation order."""
+    from kernels import cpu_quant
+    monkeypatch.setattr(cpu_quant, "native_bfloat16_gemm", lambda: native)
+    cpu_quant.dense_dtype.cache_clear()
+    try:
+        codes, scale, minimum = _random_q4(64, 96, seed=5)
+        weight = pack_q4(codes, scale, minimum, dense=True)
+        q8 = pack_q8_rows(torch.randn(64, 96), dense=True)
+        want = torch.bfloat16 if native else torch.float32
+        assert weight.dense.dtype == want and q8.dense.dtype == want
+        assert torch.equal(weight.dense.to(torch.bfloat16).to(want), weight.dense)  # bfloat16 values
+        x = torch.randn(cpu_quant.DENSE_FROM_ROWS + 7, 96)
+        got = cpu_quant.q4_matmul(x, weight)
+        assert got.dtype == torch.bfloat16
+        bf16 = torch.nn.functional.linear(x.to(torch.bfloat16), weight.dense.to(torch.bfloat16))
+        assert (got.float() - bf16.float()).abs().max() <= 1e-2 * bf16.float().abs().max()
+        assert linear_q8(x, q8).dtype == torch.float32
+    finally:
+        monkeypatch.undo()
+        cpu_quant.dense_dtype.cache_clear()
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_many_rows_take_the_bfloat16_dequantization_and_few_the_int4_codes(gated, monkeypatch):
     from kernels import cpu_quant
     codes, scale, minimum = _random_q4(64, 96, seed=3)
     plain, dense = pack_q4(codes, scale, minimum), pack_q4(codes, scale, minimum, dense=True)
-    assert plain.dense is None and dense.dense is not None and dense.dense.dtype == torch.bfloat16
+    assert plain.dense is None and dense.dense is not None and dense.dense.dtype == cpu_quant.dense_dtype()
     bias = torch.randn(64)
     few = torch.randn(cpu_quant.DENSE_FROM_ROWS - 1, 96)
     assert torch.equal(linear_q4(few, dense, bias, gated=gated), linear_q4(few, plain, bias, gated=gated))
@@ -58,7 +85,8 @@ def test_many_rows_take_the_bfloat16_dequantization_and_few_the_int4_codes(gated
     # q4_matmul (the lean decode step's product): bfloat16 out, the same kernel choice, and a forced one
     assert torch.equal(q4_matmul(few, dense), q4_matmul(few, plain)) and q4_matmul(few, dense).dtype == torch.bfloat16
     assert torch.equal(q4_matmul(many, dense).float() + bias, linear_q4(many, dense, bias))
-    assert torch.equal(q4_matmul(few, dense, dense=True), F.linear(few.to(torch.bfloat16), dense.dense))
+    forced = F.linear(few.to(torch.bfloat16).to(dense.dense.dtype), dense.dense).to(torch.bfloat16)
+    assert torch.equal(q4_matmul(few, dense, dense=True), forced)
     calls = []
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a) or None)
     linear_q4(many, dense, bias, gated=gated)
