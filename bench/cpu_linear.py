@@ -3,8 +3,8 @@ int4 weight-only kernel (the GGUF's 4-bit codes), a bfloat16 GEMM over the dequa
 and float32 ``F.linear``, and the dense product the engine takes (``q4_matmul(dense=True)``: over
 a bfloat16 copy where oneDNN multiplies bfloat16 natively, else a float32 one:
 ``kernels.cpu_quant.dense_dtype``); the logits projection as int8 rows against bfloat16 and the
-engine's dense copy. The crossovers set ``kernels.cpu_quant.DENSE_FROM_ROWS`` and
-``DENSE_LOGITS_FROM_ROWS``. Random weights (the kernels' time does not depend on the values),
+engine's dense copy. The crossovers set ``kernels.cpu_quant``'s ``*DENSE_FROM_ROWS`` and
+``*DENSE_LOGITS_FROM_ROWS`` (per dense dtype). Random weights (the kernels' time does not depend on the values),
 medians of timed calls after a warm-up.
 
     python bench/cpu_linear.py --out bench/results/cpu-linear-<date>.json
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
-from kernels.cpu_quant import (DENSE_FROM_ROWS, DENSE_LOGITS_FROM_ROWS, dense_dtype, linear_q8,  # noqa: E402
+from kernels.cpu_quant import (dense_dtype, dense_from_rows, dense_logits_from_rows, linear_q8,  # noqa: E402
                                native_bfloat16_gemm, pack_q4, pack_q8_rows, q4_matmul)
 
 SHAPES = {"gate_up [3072, 576]": (3072, 576), "down [576, 1536]": (576, 1536), "qkv [960, 576]": (960, 576),
@@ -74,12 +74,12 @@ def main() -> None:
         x = torch.randn(m, 576)
         logits.append({"rows": m, "int8_us": round(timed(lambda: linear_q8(x, plain), 8), 1),
                        "bf16_us": round(timed(lambda: F.linear(x.to(torch.bfloat16), bf16_logits), 8), 1),
-                       "dense_us": round(timed(lambda: linear_q8(x, q8), 8), 1) if m >= DENSE_LOGITS_FROM_ROWS
-                       else None})
+                       "dense_us": round(timed(lambda: F.linear(x.to(torch.bfloat16).to(q8.dense.dtype), q8.dense),
+                                               8), 1)})
     print("logits [49152, 576]", logits, flush=True)
     write_result(args.out, {"benchmark": "cpu_linear", "environment": environment(), "projections": rows_out,
-                            "logits": logits, "dense_from_rows": DENSE_FROM_ROWS,
-                            "dense_logits_from_rows": DENSE_LOGITS_FROM_ROWS,
+                            "logits": logits, "dense_from_rows": dense_from_rows(),
+                            "dense_logits_from_rows": dense_logits_from_rows(),
                             "native_bfloat16_gemm": native_bfloat16_gemm(),
                             "dense_dtype": str(dense_dtype()).removeprefix("torch."),
                             "anchor": "the int4 / int8 weight-only kernels at the same rows, same run"})

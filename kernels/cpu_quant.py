@@ -38,10 +38,15 @@ from kernels.activation import silu_and_mul_ref
 
 GROUP_SIZE = 32
 #: Rows of activations from which a weight's bfloat16 ``dense`` copy is faster than the int4
-#: kernel (bench/cpu_linear.py: a tie at 8 rows for SmolLM2's projections, 2x faster at 16) ...
+#: kernel (bench/cpu_linear.py on an AVX-512 BF16 core: a tie at 8 rows for SmolLM2's
+#: projections, 2x faster at 16) ...
 DENSE_FROM_ROWS = 9
 #: ... and than the int8 logits kernel (1.4x faster at 8 rows, 3.6x at 32).
 DENSE_LOGITS_FROM_ROWS = 8
+#: The same for a float32 ``dense`` copy (no native bfloat16 GEMM; cpu-linear-2026-12-04-avx2.json:
+#: a tie with the int4 kernel at about 14 rows, the int8 logits kernel's at about 28).
+FLOAT32_DENSE_FROM_ROWS = 16
+FLOAT32_DENSE_LOGITS_FROM_ROWS = 32
 
 
 def native_bfloat16_gemm() -> bool:
@@ -54,6 +59,16 @@ def dense_dtype() -> torch.dtype:
     """The dtype of a weight's ``dense`` copy: bfloat16 where oneDNN multiplies bfloat16 natively,
     else float32 (see the module docstring)."""
     return torch.bfloat16 if native_bfloat16_gemm() else torch.float32
+
+
+def dense_from_rows() -> int:
+    """Rows of activations from which a projection takes its ``dense`` copy (its dtype's crossover)."""
+    return DENSE_FROM_ROWS if dense_dtype() is torch.bfloat16 else FLOAT32_DENSE_FROM_ROWS
+
+
+def dense_logits_from_rows() -> int:
+    """Rows from which the int8 logits projection takes its ``dense`` copy."""
+    return DENSE_LOGITS_FROM_ROWS if dense_dtype() is torch.bfloat16 else FLOAT32_DENSE_LOGITS_FROM_ROWS
 
 
 def _dense_linear(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -132,8 +147,8 @@ def q4_dequantize_ref(codes: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
 def q4_matmul(x: torch.Tensor, weight: Q4Weight, dense: bool | None = None) -> torch.Tensor:
     """``x [T, K]`` (any float dtype) times ``weight``'s transpose -> ``[T, N]`` bfloat16, the
     kernels' own dtype: the bfloat16 GEMM over ``weight.dense`` when it exists and ``dense`` says
-    so (None: from ``DENSE_FROM_ROWS`` rows on), the int4 kernel otherwise."""
-    if weight.dense is not None and (dense or (dense is None and x.shape[0] >= DENSE_FROM_ROWS)):
+    so (None: from ``dense_from_rows()`` rows on), the int4 kernel otherwise."""
+    if weight.dense is not None and (dense or (dense is None and x.shape[0] >= dense_from_rows())):
         return _dense_linear(x, weight.dense)
     return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,
                                              weight.scales_zeros)
@@ -143,7 +158,7 @@ def linear_q4(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = Non
               gated: bool = False, dense: bool | None = None) -> torch.Tensor:
     """``x [T, K]`` (any float dtype) -> ``[T, N]`` in ``x``'s dtype; ``gated``: the weight is
     ``[gate; up]`` and the result ``silu(gate) * up``. ``dense``: take the bfloat16 GEMM whatever
-    the rows (None: from ``DENSE_FROM_ROWS`` rows on)."""
+    the rows (None: from ``dense_from_rows()`` rows on)."""
     y = q4_matmul(x, weight, dense).to(x.dtype)
     if bias is not None:
         y = y + bias
@@ -169,7 +184,7 @@ def q8_dequantize_ref(weight: Q8Weight) -> torch.Tensor:
 
 def linear_q8(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     """``x [T, K]`` -> ``[T, N]`` in ``x``'s dtype."""
-    if weight.dense is not None and x.shape[0] >= DENSE_LOGITS_FROM_ROWS:
+    if weight.dense is not None and x.shape[0] >= dense_logits_from_rows():
         return _dense_linear(x, weight.dense).to(x.dtype)
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), weight.codes, weight.scales).to(x.dtype)
 

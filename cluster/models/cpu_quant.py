@@ -21,8 +21,8 @@ from torch import nn
 
 from cluster.models.layers import Linear
 from cluster.models.loader import ParamTarget
-from kernels.cpu_quant import (DENSE_FROM_ROWS, DENSE_LOGITS_FROM_ROWS, GROUP_SIZE, can_pack_q4, dense_dtype, int4_cpu_available,
-                               pack_q4, pack_q8_rows)
+from kernels.cpu_quant import (GROUP_SIZE, can_pack_q4, dense_dtype, dense_from_rows, dense_logits_from_rows,
+                               int4_cpu_available, pack_q4, pack_q8_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
              "device": "cpu", "role": "main",
              "reason": f"{packed} projections keep the file's 4-bit codes ({q4_bytes / 2**20:.0f} MiB; scales and "
                        f"zeros in bfloat16, activations rounded to bfloat16 for the matmul); from "
-                       f"{DENSE_FROM_ROWS} rows of activations on, their bfloat16 dequantization as "
+                       f"{dense_from_rows()} rows of activations on, their bfloat16 dequantization as "
                        f"{_dense_name()} ({dense_bytes / 2**20:.0f} MiB, a GEMM that costs about the same for 4 "
                        f"rows as for 32{_dense_why()})"
                        + (f"; {kept} stay float32 (shapes the kernel does not take)" if kept else "")}]
@@ -84,7 +84,7 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
             rows.append({"component": "logits", "op": "linear", "format": f"gguf_{embed_type.lower()}->int8_row",
                          "impl": "torch_int8pack_cpu", "device": "cpu", "role": "main",
                          "reason": f"the tied {embed_type} embedding as int8 with one scale per row "
-                                   f"({q8.nbytes / 2**20:.0f} MiB); from {DENSE_LOGITS_FROM_ROWS} rows on, "
+                                   f"({q8.nbytes / 2**20:.0f} MiB); from {dense_logits_from_rows()} rows on, "
                                    f"its bfloat16 dequantization as {_dense_name()}{_dense_why()}"})
     if packed and hasattr(net, "cpu_decode"):
         rows.append(_lean_decode(net))

@@ -58,7 +58,7 @@ def test_the_dense_copies_are_float32_where_the_cpu_has_no_bfloat16_gemm(native,
         want = torch.bfloat16 if native else torch.float32
         assert weight.dense.dtype == want and q8.dense.dtype == want
         assert torch.equal(weight.dense.to(torch.bfloat16).to(want), weight.dense)  # bfloat16 values
-        x = torch.randn(cpu_quant.DENSE_FROM_ROWS + 7, 96)
+        x = torch.randn(cpu_quant.dense_from_rows() + 7, 96)
         got = cpu_quant.q4_matmul(x, weight)
         assert got.dtype == torch.bfloat16
         bf16 = torch.nn.functional.linear(x.to(torch.bfloat16), weight.dense.to(torch.bfloat16))
@@ -76,9 +76,9 @@ def test_many_rows_take_the_bfloat16_dequantization_and_few_the_int4_codes(gated
     plain, dense = pack_q4(codes, scale, minimum), pack_q4(codes, scale, minimum, dense=True)
     assert plain.dense is None and dense.dense is not None and dense.dense.dtype == cpu_quant.dense_dtype()
     bias = torch.randn(64)
-    few = torch.randn(cpu_quant.DENSE_FROM_ROWS - 1, 96)
+    few = torch.randn(cpu_quant.dense_from_rows() - 1, 96)
     assert torch.equal(linear_q4(few, dense, bias, gated=gated), linear_q4(few, plain, bias, gated=gated))
-    many = torch.randn(cpu_quant.DENSE_FROM_ROWS + 7, 96)
+    many = torch.randn(cpu_quant.dense_from_rows() + 7, 96)
     got = linear_q4(many, dense, bias, gated=gated)
     ref = linear_q4_ref(many, codes, dense, bias, gated=gated)
     assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()  # bfloat16 weights and output
@@ -95,7 +95,7 @@ def test_many_rows_take_the_bfloat16_dequantization_and_few_the_int4_codes(gated
     assert len(calls) == 1  # forced onto the int4 codes whatever the rows
     w = torch.randn(64, 96)
     q8, q8d = pack_q8_rows(w), pack_q8_rows(w, dense=True)
-    x = torch.randn(cpu_quant.DENSE_LOGITS_FROM_ROWS + 4, 96)
+    x = torch.randn(cpu_quant.dense_logits_from_rows() + 4, 96)
     ref8 = x.to(torch.bfloat16).float() @ q8_dequantize_ref(q8).t()
     assert (linear_q8(x, q8d) - ref8).abs().max() <= 2e-2 * ref8.abs().max()
     assert torch.equal(linear_q8(x[:2], q8d), linear_q8(x[:2], q8))

@@ -14,7 +14,7 @@ import torch
 from cluster import LLM, SamplingParams
 from cluster.models.cpu_quant import _lean_decode, quantize_float_linears
 from cluster.models.llama_cpu_decode import LlamaCpuDecode, unsupported_reason
-from kernels.cpu_quant import DENSE_FROM_ROWS, GROUP_SIZE, int4_cpu_available, pack_q4
+from kernels.cpu_quant import GROUP_SIZE, dense_from_rows, int4_cpu_available, pack_q4
 from tests.factories import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="torch has no CPU int4 weight-only kernel")
@@ -97,13 +97,13 @@ def test_random_quantized_models_equal_the_layers_bit_for_bit(tmp_path, family):
     model = llm.engine.model
     assert model.cpu_decode is None  # safetensors weights: nothing quantized, the layers
     quantize_layers(model)
-    prompts = [[3 + i, 7, 11 + i, 5] * (1 + i) for i in range(DENSE_FROM_ROWS + 3)]
+    prompts = [[3 + i, 7, 11 + i, 5] * (1 + i) for i in range(dense_from_rows() + 3)]
     with checked_steps(model) as checked:
         llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=40,
                                                                       ignore_eos=True))
         llm.generate(prompts,
                      [SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True) for i in range(len(prompts))])
-    assert 1 in checked and max(checked) >= DENSE_FROM_ROWS and min(checked) < DENSE_FROM_ROWS
+    assert 1 in checked and max(checked) >= dense_from_rows() and min(checked) < dense_from_rows()
 
 
 def test_what_the_lean_step_does_not_take(tmp_path):
