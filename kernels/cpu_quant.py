@@ -22,9 +22,11 @@ So a weight may also carry ``dense``, its bfloat16 dequantization, used from ``D
 rows of activations on (batched decode, prefill chunks, verify batches of several requests);
 fewer rows read the 4-bit codes. Where oneDNN has no native bfloat16 GEMM (no AVX-512 BF16 or
 AMX: ``dense_dtype``), ``dense`` is float32 instead, fed the same bfloat16-rounded activations
-and rounded back to bfloat16: an emulated bfloat16 GEMM there is slower than the int4 kernel
-(3.5x at 256 rows of a [1536, 576] projection on an AVX2 core), a float32 one 2.3x faster. The crossovers are measured by bench/cpu_linear.py. The references (``*_ref``) dequantize to float32 and multiply as ``F.linear``,
-for tests.
+and rounded back to bfloat16, from more rows (``dense_from_rows``): an emulated bfloat16 GEMM
+there is slower than the int4 kernel (gate_up [3072, 576] at 256 rows on an AVX2 core: 45 ms,
+against 11 ms int4 and 5.7 ms float32; cpu-linear-2026-12-04-avx2.json). The crossovers are
+measured by bench/cpu_linear.py. The references (``*_ref``) dequantize to float32 and multiply
+as ``F.linear``, for tests.
 """
 from __future__ import annotations
 
