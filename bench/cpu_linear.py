@@ -24,8 +24,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
-from kernels.cpu_quant import (dense_dtype, dense_from_rows, dense_logits_from_rows, linear_q8,  # noqa: E402
-                               native_bfloat16_gemm, pack_q4, pack_q8_rows, q4_matmul)
+from kernels.cpu_quant import (dense_dtype, dense_from_rows, dense_linear, dense_logits_from_rows,  # noqa: E402
+                               linear_q8, native_bfloat16_gemm, pack_q4, pack_q8_rows, q4_matmul)
 
 SHAPES = {"gate_up [3072, 576]": (3072, 576), "down [576, 1536]": (576, 1536), "qkv [960, 576]": (960, 576),
           "o [576, 576]": (576, 576)}
@@ -74,8 +74,7 @@ def main() -> None:
         x = torch.randn(m, 576)
         logits.append({"rows": m, "int8_us": round(timed(lambda: linear_q8(x, plain), 8), 1),
                        "bf16_us": round(timed(lambda: F.linear(x.to(torch.bfloat16), bf16_logits), 8), 1),
-                       "dense_us": round(timed(lambda: F.linear(x.to(torch.bfloat16).to(q8.dense.dtype), q8.dense),
-                                               8), 1)})
+                       "dense_us": round(timed(lambda: dense_linear(x, q8.dense), 8), 1)})
     print("logits [49152, 576]", logits, flush=True)
     write_result(args.out, {"benchmark": "cpu_linear", "environment": environment(), "projections": rows_out,
                             "logits": logits, "dense_from_rows": dense_from_rows(),

@@ -73,7 +73,7 @@ def dense_logits_from_rows() -> int:
     return DENSE_LOGITS_FROM_ROWS if dense_dtype() is torch.bfloat16 else FLOAT32_DENSE_LOGITS_FROM_ROWS
 
 
-def _dense_linear(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+def dense_linear(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to bfloat16 times ``dense``'s transpose, in ``dense``'s dtype, rounded to
     bfloat16 (a bfloat16 GEMM's result, whichever dtype computes it)."""
     return F.linear(x.to(torch.bfloat16).to(dense.dtype), dense).to(torch.bfloat16)
@@ -151,7 +151,7 @@ def q4_matmul(x: torch.Tensor, weight: Q4Weight, dense: bool | None = None) -> t
     kernels' own dtype: the bfloat16 GEMM over ``weight.dense`` when it exists and ``dense`` says
     so (None: from ``dense_from_rows()`` rows on), the int4 kernel otherwise."""
     if weight.dense is not None and (dense or (dense is None and x.shape[0] >= dense_from_rows())):
-        return _dense_linear(x, weight.dense)
+        return dense_linear(x, weight.dense)
     return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight.packed, weight.group_size,
                                              weight.scales_zeros)
 
@@ -187,7 +187,7 @@ def q8_dequantize_ref(weight: Q8Weight) -> torch.Tensor:
 def linear_q8(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     """``x [T, K]`` -> ``[T, N]`` in ``x``'s dtype."""
     if weight.dense is not None and x.shape[0] >= dense_logits_from_rows():
-        return _dense_linear(x, weight.dense).to(x.dtype)
+        return dense_linear(x, weight.dense).to(x.dtype)
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), weight.codes, weight.scales).to(x.dtype)
 
 

@@ -140,11 +140,10 @@ def test_the_chunk_sizer_keeps_a_stream_going_while_long_prompts_prefill(cluster
             async for chunk in await client.completions.create(
                     model=model, prompt=stream_prompt, max_tokens=200, temperature=0.0, logprobs=0, stream=True,
                     extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}):
-                for c in chunk.choices:
-                    if c.logprobs and c.logprobs.tokens:
-                        tokens.extend(int(t.split(":", 1)[1]) for t in c.logprobs.tokens)
-                        arrivals.append(time.monotonic())
-                        started.set()
+                if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens:
+                    tokens.extend(token_ids_of(chunk))
+                    arrivals.append(time.monotonic())
+                    started.set()
 
         async def floods() -> tuple[list[list[int]], float, float]:
             await started.wait()
