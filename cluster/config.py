@@ -80,9 +80,9 @@ class ModelConfig:
     #: chance of acceptance (sigmoid); 0 (default): every block verifies all its drafts.
     dspark_confidence_threshold: float = 0.0
     #: dspark on a GPU: each block replays a captured CUDA graph (cluster/engine/dspark_graphs.py)
-    #: instead of launching its kernels from Python. Off by default until the GPU gate
-    #: (bench/gpu_session.sh gpucheck) has run it on a device; off, ``/v1/backends`` says so.
-    dspark_cuda_graphs: bool = False
+    #: instead of launching its kernels from Python (on by default: the GPU gate runs them,
+    #: gpucheck-h200-2026-12-05-*.json); off, ``/v1/backends`` says so.
+    dspark_cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))

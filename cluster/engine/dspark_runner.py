@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from cluster.common.errors import UnsupportedSettingError
+from cluster.engine.batch import pad_tables
 from cluster.engine.cuda_graphs import GraphStatus, capture_with_status
 from cluster.engine.dspark_graphs import DSparkGraphs
 from cluster.engine.draft_runner import DraftJob
@@ -80,8 +81,8 @@ class DSparkRunner:
         ``swa`` tables have at most ``table_width`` blocks; a capture or self-check that fails
         leaves the blocks eager, and the returned status (also ``graph_status``) says why."""
         if not self.cuda_graphs:
-            self.graph_status = GraphStatus(reason="dspark_cuda_graphs is off (the default until the GPU gate has run "
-                                                   "the block graphs on a device)")
+            self.graph_status = GraphStatus(reason="dspark_cuda_graphs is off: each block launches its kernels "
+                                                   "from Python")
             return self.graph_status
         if self.device.type != "cuda" and not emulate:
             self.graph_status = GraphStatus(reason=f"the device is {self.device.type}: CUDA graphs need a CUDA device")
@@ -180,9 +181,7 @@ class DSparkRunner:
             drafts, confidence = graphs.run(rows, [job.token for job in live], [job.position for job in live])
         else:
             self.num_eager_blocks += 1
-            tables = np.zeros((len(live), max(1, max(len(r) for r in rows))), dtype=np.int32)
-            for i, r in enumerate(rows):
-                tables[i, :len(r)] = r
+            tables = pad_tables(rows)
             dev = self.device
             anchors = torch.tensor([job.token for job in live], dtype=torch.long, device=dev)
             positions = torch.tensor([job.position for job in live], dtype=torch.long, device=dev)

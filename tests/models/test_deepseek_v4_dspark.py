@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from cluster import LLM, SamplingParams
 from cluster.common.errors import ModelLoadError, UnsupportedArchitectureError, UnsupportedSettingError
+from cluster.config import ModelConfig
 from cluster.engine.cuda_graphs import GraphUnsafeError
 from cluster.engine.request import Request
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -396,10 +397,11 @@ def graph_and_eager_blocks(engine, prompts):
     return graph, (drafts, confidence)
 
 
-def test_block_graphs_are_off_by_default_and_say_so(v4):
-    """Until the GPU gate has run them, the block graphs are opt-in (``dspark_cuda_graphs``): off,
-    nothing is captured even where it could be, and ``/v1/backends`` says why."""
-    llm = dspark_llm(v4)
+def test_block_graphs_turned_off_say_so(v4):
+    """The block graphs are on by default (``dspark_cuda_graphs``); turned off, nothing is captured
+    even where it could be, and ``/v1/backends`` says why."""
+    assert ModelConfig(model=v4).dspark_cuda_graphs
+    llm = dspark_llm(v4, dspark_cuda_graphs=False)
     llm.engine._capture_draft_graphs(emulate=True)
     runner = llm.engine.runner.drafter
     assert runner.block_graphs is None and "dspark_cuda_graphs is off" in runner.graph_status.reason
@@ -416,8 +418,7 @@ def test_blocks_replayed_from_emulated_cuda_graphs_equal_the_eager_blocks(v4):
               greedy(7), SamplingParams(temperature=0.0, max_tokens=25, n=2, ignore_eos=True), greedy(33)]
     want = output_summary(LLM(v4, block_size=4, max_num_batched_tokens=16).generate(PROMPTS, params))
     # the MoE's Triton kernels (interpreted): the reference MoE groups rows on the host
-    llm = dspark_llm(v4, max_num_batched_tokens=16, max_num_seqs=4, moe_backend="triton", draft_moe_backend="triton",
-                     dspark_cuda_graphs=True)
+    llm = dspark_llm(v4, max_num_batched_tokens=16, max_num_seqs=4, moe_backend="triton", draft_moe_backend="triton")
     engine = llm.engine
     engine._capture_draft_graphs(emulate=True)
     runner = engine.runner.drafter
@@ -454,7 +455,7 @@ def test_blocks_replayed_from_cuda_graphs_on_the_gpu(v4):
     block's tokens for three requests padded into the graph of four; served, the output equals
     DSpark's with everything eager, token for token, every block from a graph."""
     common = dict(block_size=16, max_num_seqs=4, max_model_len=256, dtype="bfloat16", speculative_method="dspark",
-                  num_speculative_tokens=BLOCK, dspark_cuda_graphs=True)
+                  num_speculative_tokens=BLOCK)  # block graphs: the default
     prompts = PROMPTS[:3]
     want = output_summary(LLM(v4, enforce_eager=True, **common).generate(prompts, greedy(24)))
     llm = LLM(v4, **common)
