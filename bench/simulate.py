@@ -725,7 +725,7 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
             profile(costs, args.itl, args.ttft), target_ttft_s=args.ttft, target_itl_s=args.itl, min_prefill=1,
             max_prefill=gpus - 1, min_decode=1, max_decode=gpus - 1, max_total_replicas=gpus,
             initial_prefill=p0, initial_decode=gpus - p0, handover_starting_share=args.handover_starting_share,
-            downscale_window_s=args.downscale_window)
+            downscale_window_s=args.downscale_window, hold_budget=args.hold_budget == "on")
         planners = {"planner": settings}
         if args.reactive or args.both:
             reactive = dataclasses.replace(settings, prefill_tokens_per_s=None, decode_tokens_per_s=None)
@@ -892,6 +892,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the planner's handover_starting_share (default: the planner's default)")
     parser.add_argument("--downscale-window", type=float, default=PlannerSettings().downscale_window_s,
                         help="the planner's downscale_window_s (default: the planner's default; 0: off)")
+    parser.add_argument("--hold-budget", choices=("on", "off"), default="on" if PlannerSettings().hold_budget else "off",
+                        help="the planner's hold_budget, rule 9 (default: the planner's default)")
     parser.add_argument("--planner-only", action="store_true",
                         help="run the planner alone (no fixed splits, no comparison): for trying its settings")
     parser.add_argument("--calibration", default=None, help="a --validate result whose fitted constants to use")

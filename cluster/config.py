@@ -253,6 +253,10 @@ class ClusterConfig:
     upscale_cooldown_s: float = 30.0
     #: After any change, this long passes before a role scales down or gives a replica away.
     downscale_cooldown_s: float = 120.0
+    #: Under max_total_replicas, decode holds every GPU of the budget prefill does not (the
+    #: planner's rule 9: spare decode replicas absorb bursts and are up when the mix shifts);
+    #: False: idle GPUs go back to Ray.
+    hold_budget: bool = True
 
     def __post_init__(self) -> None:
         _positive("prefill_replicas", self.prefill_replicas, allow_zero=True)

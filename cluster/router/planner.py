@@ -1,6 +1,7 @@
 """The planner: scales prefill and decode replicas separately so that p90 time to first token
 (TTFT) and inter-token latency (ITL) stay under their targets at the fewest GPUs, moving replicas
-between the two roles when they share a GPU budget (``max_total_replicas``).
+between the two roles when they share a GPU budget (``max_total_replicas``; within one, decode
+holds what prefill does not need: rule 9).
 
 The core, ``plan``, is pure (observations, settings and cooldown state in; replica counts and new
 state out) and needs no Ray. Two Ray Serve adapters call it:
@@ -47,7 +48,9 @@ growth, the other role takes the replicas back, and for ``futile_hold_s`` the ro
 not grow nor the other shrink, unless the demand's mix moves; while prefill is so held, TTFT is
 decode's pressure (its replicas prefill locally); (8) with a profile and bursty arrivals
 (``bursty_cv2``), prefill is sized for the rate between bursts and decode for the rest of the
-prompt work as well as its own."""
+prompt work as well as its own; (9) under max_total_replicas (``hold_budget``), decode holds every
+GPU of the budget prefill does not (a role whose growth awaits its verdict excepted), so nothing
+of the budget idles and decode's count follows prefill's."""
 from __future__ import annotations
 
 import dataclasses
@@ -157,6 +160,13 @@ class PlannerSettings:
     #: a role still falling behind (its queue grows every interval: too few replicas, not bursts):
     #: the verdict frees it to grow again.
     behind_rise: float = 2.0
+    #: Under max_total_replicas, the GPUs neither role's demand needs stay held as decode replicas
+    #: (rule 9): they absorb bursts by prefilling locally, and a shift in the mix finds them
+    #: running instead of waiting out a start-up, as a fixed split's would. False: they are given
+    #: back (Ray frees them for other work). From the simulator (bench/simulate.py --bursty: at 64
+    #: GPUs a planner that entered a bursty RAG phase holding the 54 GPUs chat needed lost a
+    #: start-up's worth of goodput to every fixed split, which starts each phase with all 64).
+    hold_budget: bool = True
 
     def bounds(self, role: Role) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
@@ -182,6 +192,7 @@ class PlannerSettings:
                    min_decode=config.min_replicas, max_decode=config.max_replicas,
                    max_total_replicas=config.max_total_replicas,
                    upscale_cooldown_s=config.upscale_cooldown_s, downscale_cooldown_s=config.downscale_cooldown_s,
+                   hold_budget=config.hold_budget,
                    initial_prefill=config.prefill_replicas, initial_decode=config.decode_replicas,
                    has_prefill=config.prefill_replicas > 0 and config.transfer.backend != "local")
 
@@ -389,11 +400,18 @@ def plan(obs: Observation, s: PlannerSettings, state: PlannerState, now: float) 
             # reported yet blocks it (plan_deployment's stand-in for the other role counts none)
             and all(load.reported or load.ready_replicas is None for load in loads.values())
             and _since(state.last_change(), now) >= s.downscale_cooldown_s):
-        idle = [r for r in loads if r not in kept and _has_slack(r, loads[r], pressure[r], state, s, now)]
+        idle = [r for r in loads if r not in kept and not (r == "decode" and _holds_budget(s))
+                and _has_slack(r, loads[r], pressure[r], state, s, now)]
         if idle:
             role = min(idle, key=lambda r: pressure[r] or 0.0)
             want[role] -= 1
             notes.append(f"{role} has slack")
+    if _holds_budget(s) and "decode" in want and "decode" not in frozen:  # rule 9
+        assert s.max_total_replicas is not None
+        spare = min(s.max_total_replicas - sum(want.values()), s.bounds("decode")[1] - want["decode"])
+        if spare > 0:
+            want["decode"] += spare
+            notes.append(f"decode holds {spare} spare of the budget")
     new_state = state
     changes = []
     for role, load in loads.items():
@@ -601,6 +619,11 @@ def _can_give(role: Role, k: int, load: RoleLoad, pressure: float | None, state:
 def _has_slack(role: Role, load: RoleLoad, pressure: float | None, state: PlannerState,
                s: PlannerSettings, now: float) -> bool:
     return pressure is not None and pressure < s.slack and _can_give(role, 1, load, pressure, state, s, now)
+
+
+def _holds_budget(s: PlannerSettings) -> bool:
+    """Whether rule 9 applies: decode holds the GPUs of the budget prefill does not."""
+    return s.hold_budget and s.max_total_replicas is not None
 
 
 def _other(role: Role) -> Role:

@@ -29,7 +29,7 @@ BUDGET = 8
 def make_settings(**overrides: Any) -> PlannerSettings:
     base = dict(target_ttft_s=1.0, target_itl_s=0.1, min_prefill=1, max_prefill=7, min_decode=1,
                 max_decode=7, max_total_replicas=BUDGET, upscale_cooldown_s=30.0, downscale_cooldown_s=120.0,
-                initial_prefill=2, initial_decode=2)
+                initial_prefill=2, initial_decode=2, hold_budget=False)  # rule 9's tests turn it on
     return PlannerSettings(**{**base, **overrides})
 
 
@@ -418,6 +418,13 @@ def test_deployment_scaling_fixed_and_autoscaled():
     assert kwargs["target_ttft_s"] == 0.5 and kwargs["max_total_replicas"] == 8 and kwargs["has_prefill"]
     policy = scaling.policy.get_policy()  # what the controller unpickles
     n, _ = policy(make_context("DecodeServer", 3, decode_metrics(), settings=PlannerSettings.from_kwargs(kwargs)))
+    assert n == 4  # rule 9: decode holds its fixed share of the budget (8 x 3 // 5), prefill's 3 aside
+    assert kwargs["hold_budget"] is True
+    off = parse_cluster_args({"autoscale": True, "prefill_replicas": 2, "decode_replicas": 3, "max_total_replicas": 8,
+                              "max_replicas": 6, "hold_budget": False}, use_env=False)
+    kwargs = planner.deployment_scaling(off, "decode")["autoscaling_config"].policy.policy_kwargs
+    assert kwargs["hold_budget"] is False
+    n, _ = policy(make_context("DecodeServer", 3, decode_metrics(), settings=PlannerSettings.from_kwargs(kwargs)))
     assert n == 3
 
 
@@ -771,3 +778,43 @@ def test_a_deployed_role_that_has_not_reported_blocks_a_slack_shrink():
     assert counts(plan(reported, s, PlannerState(), now=1000.0)) != (2, 2)  # both idle and heard: one goes
     stand_in = dataclasses.replace(quiet, decode=RoleLoad(2, reported=False))
     assert counts(plan(stand_in, s, PlannerState(), now=1000.0)) == (1, 2)
+
+
+# --- rule 9: decode holds what the budget leaves -------------------------------------------------------
+
+def test_decode_holds_the_gpus_of_the_budget_prefill_does_not():
+    """Rule 9 (``hold_budget``): under max_total_replicas, the GPUs neither role needs stay held as
+    decode replicas, so nothing of the budget idles; within decode's bounds; without a budget, or
+    turned off, nothing is added."""
+    s = make_settings(hold_budget=True)
+    steady = plan(observe(2, 2), s, PlannerState(), now=1000.0)
+    assert counts(steady) == (2, BUDGET - 2) and "decode holds 4 spare of the budget" in steady.reason
+    assert counts(plan(observe(2, 2), make_settings(hold_budget=True, max_decode=5), PlannerState(), 1000.0)) == (2, 5)
+    assert counts(plan(observe(2, 2), make_settings(hold_budget=True, max_total_replicas=None),
+                       PlannerState(), 1000.0)) == (2, 2)
+    assert counts(plan(observe(2, 2), make_settings(), PlannerState(), 1000.0)) == (2, 2)  # turned off
+
+
+def test_with_the_budget_held_idle_prefill_shrinks_and_decode_takes_its_gpus():
+    """Idle, prefill gives back a replica per cooldown as before; decode, which holds the rest of
+    the budget, never has slack to give and takes each GPU prefill lets go: the count stays the
+    budget and decode only grows."""
+    s = make_settings(hold_budget=True)
+    p, d, state = 4, 4, PlannerState()
+    seen: list[tuple[int, int]] = []
+    for tick in range(200):
+        decision = plan(observe(p, d, ttft=0.0, itl=0.0, queue=0.0, kv=0.0), s, state, 1000.0 + 10.0 * tick)
+        (p, d), state = counts(decision), decision.state
+        seen.append((p, d))
+    assert (p, d) == (1, BUDGET - 1)
+    assert all(a + b == BUDGET for a, b in seen)
+    assert all(b2 >= b1 for (_, b1), (_, b2) in zip(seen, seen[1:]))
+
+
+def test_with_the_budget_held_prefill_still_grows_by_taking_decodes_gpus():
+    """Prefill over its target at the budget takes replicas from decode (rule 3) as before: the
+    held GPUs are where its growth comes from."""
+    decision = plan(observe(2, 6, ttft=2.0, queue=1.2, itl=0.01, kv=0.1), make_settings(hold_budget=True),
+                    PlannerState(), now=1000.0)
+    p, d = counts(decision)
+    assert p > 2 and p + d == BUDGET and "decode gives" in decision.reason
