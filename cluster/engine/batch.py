@@ -4,6 +4,7 @@ the padded block table and, for per-token groups, the slot of every new token. T
 turns it into device tensors (eager) or copies it into a captured graph's static buffers."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,10 +83,7 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, 
     tables, slots = [], []
     for g, spec in enumerate(specs):
         rows = [block_tables[scheduled[i].request_id][g] for i in owner.tolist()]
-        width = max(1, max((len(r) for r in rows), default=1))
-        table = np.zeros((len(rows), width), dtype=np.int32)
-        for i, r in enumerate(rows):
-            table[i, :len(r)] = r
+        table = pad_tables(rows)
         tables.append(table)
         if spec.kind in ("full", "sliding_window"):
             blocks = table[seq_index, positions // spec.block_size].astype(np.int64)
@@ -95,6 +93,17 @@ def build_host_batch(scheduled: list[ScheduledRequest], block_tables: dict[str, 
     sample_rows = [(int(ends[i]) - 1, s) for i, s in enumerate(scheduled) if s.sampling]
     return HostBatch(ids, positions, query_start, (seq_starts + q_counts).astype(np.int32), tables, slots,
                      sample_rows, verify_slot, verify_prev, depth, any(s.prefill for s in scheduled))
+
+
+def pad_tables(rows: Sequence[Sequence[int]], out: np.ndarray | None = None) -> np.ndarray:
+    """Ragged block tables as one array, each row padded with block 0 (the null block): written into
+    the first rows of ``out`` (zeros past each table) where given, else a new int32 array as wide
+    as the widest table (at least 1)."""
+    if out is None:
+        out = np.zeros((len(rows), max(1, max((len(r) for r in rows), default=1))), dtype=np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
 
 
 def take_pending_tokens(input_ids: torch.Tensor, rows: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -146,6 +146,33 @@ def capture_sizes(forward: Callable[[int], torch.Tensor], sizes: list[int],
     return graphs
 
 
+def warm_and_capture(forwards: Sequence[tuple[Callable[[int], Any], dict[int, Any]]], sizes: list[int],
+                     device: torch.device, timings: dict[str, float], prefix: str = "",
+                     per_size: bool = False) -> list[dict[int, Any]]:
+    """Run every ``(forward, outputs)`` at every size eagerly (compilation, autotuning and lazy
+    copies stay outside the graphs), then capture each from the largest size down, all in one
+    memory pool, each graph's output into its ``outputs``. Seconds land in ``timings``:
+    ``{prefix}warmup_s`` (per size ``{prefix}warmup_b{size}_s`` with ``per_size``) and
+    ``{prefix}capture_s``. Returns each forward's graphs by size."""
+    start = time.perf_counter()
+    for forward, _ in forwards:
+        for size in sizes:
+            began = time.perf_counter()
+            forward(size)
+            if per_size:
+                torch.cuda.synchronize(device)
+                timings[f"{prefix}warmup_b{size}_s"] = time.perf_counter() - began
+    torch.cuda.synchronize(device)
+    if not per_size:
+        timings[f"{prefix}warmup_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    graphs = [capture_sizes(forward, sizes, outputs, pool) for forward, outputs in forwards]
+    torch.cuda.synchronize(device)
+    timings[f"{prefix}capture_s"] = time.perf_counter() - start
+    return graphs
+
+
 def capture_with_status(graphs: Any, device: torch.device, what: str, fallback: str) -> GraphStatus:
     """``graphs.capture()``, and the status it leaves: captured sizes, or why not (a capture or
     a self-check that fails is logged as a warning; ``fallback`` says what runs instead)."""
@@ -243,15 +270,8 @@ class DecodeGraphs:
             self.graphs = {size: EmulatedGraph(self, size) for size in self.sizes}
             self.verified_size = self.verify()
             return
-        for size in self.sizes:
-            start = time.perf_counter()
-            self.forward(size)
-            torch.cuda.synchronize(self.device)
-            self.timings[f"warmup_b{size}_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        self.graphs = capture_sizes(self.forward, self.sizes, self.outputs)
-        torch.cuda.synchronize(self.device)
-        self.timings["capture_s"] = time.perf_counter() - start
+        self.graphs, = warm_and_capture([(self.forward, self.outputs)], self.sizes, self.device, self.timings,
+                                        per_size=True)
         start = time.perf_counter()
         self.verified_size = self.verify()
         self.timings["verify_s"] = time.perf_counter() - start

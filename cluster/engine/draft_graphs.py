@@ -32,13 +32,12 @@ the forward on the static buffers under :class:`GraphSafetyCheck`, as DecodeGrap
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
-from cluster.engine.cuda_graphs import EmulatedGraph, GraphUnsafeError, capture_sizes, graph_batch_sizes, stage
+from cluster.engine.cuda_graphs import EmulatedGraph, GraphUnsafeError, warm_and_capture, graph_batch_sizes, stage
 from cluster.models.context import ForwardContext
 from cluster.models.ops import Ops
 
@@ -157,16 +156,8 @@ class DraftHeadGraphs:
             self.graphs = {size: EmulatedGraph(self, size) for size in self.sizes}
             self.verified_size = self.verify()
             return
-        dev = self.drafter.device
-        start = time.perf_counter()
-        for size in self.sizes:
-            self.forward(size)
-        torch.cuda.synchronize(dev)
-        self.timings["draft_warmup_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        self.graphs = capture_sizes(self.forward, self.sizes, self.outputs)
-        torch.cuda.synchronize(dev)
-        self.timings["draft_capture_s"] = time.perf_counter() - start
+        self.graphs, = warm_and_capture([(self.forward, self.outputs)], self.sizes, self.drafter.device,
+                                        self.timings, "draft_")
         self.verified_size = self.verify()
         logger.info("captured draft-head CUDA graphs for batch sizes %s (batch %d verified against the eager "
                     "passes)", self.sizes, self.verified_size)

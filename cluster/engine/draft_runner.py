@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from cluster.engine.batch import pad_tables
 from cluster.engine.cuda_graphs import GraphStatus, capture_with_status
 from cluster.engine.draft_graphs import DraftHeadGraphs
 from cluster.engine.sampler import to_device
@@ -297,10 +298,7 @@ class DraftHeadRunner:
         np.cumsum(counts, out=qsl[1:])
         seq_index = np.repeat(np.arange(len(seqs)), counts)
         positions = starts[seq_index] + (np.arange(int(qsl[-1])) - qsl[:-1][seq_index])
-        width = max(len(t) for _, _, t in seqs)
-        tables = np.zeros((len(seqs), max(1, width)), dtype=np.int32)
-        for i, (_, _, t) in enumerate(seqs):
-            tables[i, :len(t)] = t
+        tables = pad_tables([t for _, _, t in seqs])
         bs = self.block_size
         slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (starts + counts).astype(np.int32)

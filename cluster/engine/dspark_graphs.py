@@ -17,14 +17,14 @@ need no care. Outputs: the drafts ``[S, B]`` and their confidence logits ``[S, B
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from cluster.engine.cuda_graphs import EmulatedGraph, GraphUnsafeError, capture_sizes, graph_batch_sizes, stage
+from cluster.engine.batch import pad_tables
+from cluster.engine.cuda_graphs import EmulatedGraph, GraphUnsafeError, warm_and_capture, graph_batch_sizes, stage
 
 if TYPE_CHECKING:
     from cluster.engine.dspark_runner import DSparkRunner
@@ -69,16 +69,8 @@ class DSparkGraphs:
             self.graphs = {size: EmulatedGraph(self, size) for size in self.sizes}
             self.verified_size = self.verify()
             return
-        dev = self.runner.device
-        start = time.perf_counter()
-        for size in self.sizes:
-            self.forward(size)
-        torch.cuda.synchronize(dev)
-        self.timings["dspark_warmup_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        self.graphs = capture_sizes(self.forward, self.sizes, self.outputs)
-        torch.cuda.synchronize(dev)
-        self.timings["dspark_capture_s"] = time.perf_counter() - start
+        self.graphs, = warm_and_capture([(self.forward, self.outputs)], self.sizes, self.runner.device,
+                                        self.timings, "dspark_")
         self.verified_size = self.verify()
         logger.info("captured DSpark block CUDA graphs for batch sizes %s (batch %d verified against the eager "
                     "block)", self.sizes, self.verified_size)
@@ -134,9 +126,7 @@ class DSparkGraphs:
         host = np.zeros(2 * size + size * width, dtype=np.int64)
         host[:n] = anchors
         host[size:size + n] = positions
-        grid = host[2 * size:].reshape(size, width)
-        for i, t in enumerate(tables):
-            grid[i, :len(t)] = t
+        pad_tables(tables, host[2 * size:].reshape(size, width))
         staged = stage(host, self.runner.device)
         self.anchors[:size].copy_(staged[:size])
         self.positions[:size].copy_(staged[size:2 * size])

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from cluster.common.errors import UnsupportedSettingError
+from cluster.engine.batch import pad_tables
 from cluster.engine.cuda_graphs import GraphStatus, capture_with_status
 from cluster.engine.dspark_graphs import DSparkGraphs
 from cluster.engine.draft_runner import DraftJob
@@ -180,9 +181,7 @@ class DSparkRunner:
             drafts, confidence = graphs.run(rows, [job.token for job in live], [job.position for job in live])
         else:
             self.num_eager_blocks += 1
-            tables = np.zeros((len(live), max(1, max(len(r) for r in rows))), dtype=np.int32)
-            for i, r in enumerate(rows):
-                tables[i, :len(r)] = r
+            tables = pad_tables(rows)
             dev = self.device
             anchors = torch.tensor([job.token for job in live], dtype=torch.long, device=dev)
             positions = torch.tensor([job.position for job in live], dtype=torch.long, device=dev)

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from cluster.config import ModelConfig, SchedulerConfig
+from cluster.engine.batch import pad_tables
 from cluster.engine.cuda_graphs import stage
 from cluster.engine.kv_cache_manager import KVCacheManager
 from cluster.engine.model_runner import ModelRunner, SeededWindow, VerifyLaunch
@@ -169,10 +170,7 @@ class SpecPipelining:
         previous = self._verify_in_flight
         k = self.model_config.num_speculative_tokens
         tables = self.kv.block_tables
-        rows = [tables(r.request_id)[0] for r in requests]
-        table = np.zeros((len(rows), max(len(t) for t in rows)), dtype=np.int32)
-        for i, t in enumerate(rows):
-            table[i, :len(t)] = t
+        table = pad_tables([tables(r.request_id)[0] for r in requests])
         sampling = [self._sampling_row(r) for r in requests for _ in range(k + 1)]  # unseeded: any position
         scales = None
         if self.model_config.speculative_draft_sampling == "coupled" and any(not q.sampling_params.greedy

@@ -18,14 +18,13 @@ capture; each replay runs the forward on the static buffers under :class:`GraphS
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from cluster.engine.cuda_graphs import DecodeGraphs, EmulatedGraph, GraphSafetyCheck, GraphUnsafeError, capture_sizes
+from cluster.engine.cuda_graphs import DecodeGraphs, EmulatedGraph, GraphSafetyCheck, GraphUnsafeError, warm_and_capture
 from cluster.engine.draft_graphs import DraftHeadGraphs
 from kernels.sampling import sample_with_noise_ref
 
@@ -170,22 +169,13 @@ class VerifyGraphs:
                 self.sampled_graphs = {size: _EmulatedSampled(self, size) for size in self.sizes}
             self.verified_size = self.verify()
             return
-        dev = self.decode.device
-        forwards = [self.forward] + ([self.sampled_forward] if self.sampled else [])
-        start = time.perf_counter()
-        for forward in forwards:
-            for size in self.sizes:
-                forward(size)
-        torch.cuda.synchronize(dev)
-        self.timings["verify_warmup_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        self.graphs = capture_sizes(self.forward, self.sizes, self.outputs, pool)  # type: ignore[arg-type]
+        forwards: list[tuple[Callable[[int], Any], dict[int, Any]]] = [(self.forward, self.outputs)]
         if self.sampled:
-            self.sampled_graphs = capture_sizes(self.sampled_forward, self.sizes,  # type: ignore[arg-type]
-                                                self.sampled_outputs, pool)
-        torch.cuda.synchronize(dev)
-        self.timings["verify_capture_s"] = time.perf_counter() - start
+            forwards.append((self.sampled_forward, self.sampled_outputs))
+        graphs = warm_and_capture(forwards, self.sizes, self.decode.device, self.timings, "verify_")
+        self.graphs = graphs[0]
+        if self.sampled:
+            self.sampled_graphs = graphs[1]
         self.verified_size = self.verify()
         logger.info("captured verify-step CUDA graphs for batch sizes %s, greedy%s (batch %d verified against the "
                     "eager step)", self.sizes, " and sampled" if self.sampled else "", self.verified_size)
