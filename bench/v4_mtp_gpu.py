@@ -4,7 +4,9 @@ Model: bench/deepseek_v4_layers.py's four layers (sliding, CSA, HCA, CSA) at V4-
 the MTP layer, MXFP4 routed experts (the MTP layer's too), random weights (``load_format=dummy``).
 Random weights accept no draft, so the acceptance is set by the benchmark: in the ``mtp`` rows
 each draft is taken with probability ``a`` if every draft before it was (seeded), in place of the
-comparison with the target's token. The engine then does all it does for that many accepted tokens
+comparison with the target's token (on the host in synchronous verify steps; pipelined ones decide
+on the device, where ``DeviceSetAcceptance`` sets it inside the verify-step graph). The engine then
+does all it does for that many accepted tokens
 (per-token output path, KV truncation, the compressors' states rolled back to the accepted
 position, the MTP layer's next pass from there); the run's tokens are not the model's, and that
 is all that differs. For each batch (1, 8, 32): that many 512-token prompts, 48 new tokens; the
@@ -16,6 +18,9 @@ Rows:
   mtp-kK-aA-bB     the MTP layer drafts k tokens per step (its proposal replays its draft graphs),
                    acceptance a in (0, 0.5, 0.8, 1): step time, tokens per step, output tok/s and
                    speedup over none; draft_ms = the mtp step at a = 0 less the verify step
+                   (where the mtp rows' verify steps are pipelined and the verify rows' are
+                   not, draft_ms also holds what pipelining saves); pipelined_steps = how many
+                   of the row's verify steps were pipelined
 The anchors' acceptance is marked: DeepSeek-V3's MTP takes 85-90% of second tokens; about 3.1
 accepted tokens per step with 3 drafts are reported for V4 (a ~ 0.85 per draft).
 
@@ -75,10 +80,72 @@ class SetAcceptance:
         return m
 
 
+class DeviceSetAcceptance:
+    """``SetAcceptance`` for pipelined verify steps, whose acceptance the device decides
+    (``Ops.spec_accept_draft_rows``, inside the verify-step graph): the accept kernel is wrapped
+    before the engine captures its graphs, and compares the drafts with targets made to agree with
+    the first ``m`` of them, ``m = counts[base % L]`` (at most ``k``) from a device table of counts
+    drawn like ``SetAcceptance`` (``set``: refilled in place, so the captured graphs read the new
+    draws). The host reads the target's own tokens; only the acceptance is set."""
+
+    LENGTH = 4093  # prime: consecutive steps of a request read unrelated entries
+
+    def __init__(self) -> None:
+        self.counts: torch.Tensor | None = None
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def install(self, device: str) -> None:
+        import kernels.spec_decode
+        self.counts = torch.zeros(self.LENGTH, dtype=torch.int64, device=device)
+        modules = [(kernels.spec_decode, "accept_and_draft_rows_ref")]
+        try:
+            import kernels.triton_spec_decode
+            modules.append((kernels.triton_spec_decode, "accept_and_draft_rows_triton"))
+        except ImportError:
+            pass
+        for module, name in modules:
+            real = getattr(module, name)
+            self.saved.append((module, name, real))
+            setattr(module, name, self._wrap(real))
+
+    def uninstall(self) -> None:
+        for module, name, real in self.saved:
+            setattr(module, name, real)
+        self.saved = []
+
+    def set(self, a: float, seed: int = 0) -> None:
+        assert self.counts is not None
+        rng = random.Random(seed)
+        draws = []
+        for _ in range(self.LENGTH):
+            m = 0
+            while m < 8 and rng.random() < a:
+                m += 1
+            draws.append(m)
+        self.counts.copy_(torch.tensor(draws, dtype=torch.int64))
+
+    def _wrap(self, real: Any) -> Any:
+        def accept(inputs: torch.Tensor, targets: torch.Tensor, base: torch.Tensor, *rest: Any) -> Any:
+            assert self.counts is not None
+            k = inputs.shape[1] - 1
+            m = self.counts.index_select(0, base % self.LENGTH).clamp(max=k)  # [n]
+            drafts = inputs[:, 1:]
+            miss = torch.where(drafts > 0, drafts - 1, drafts + 1)
+            j = torch.arange(k, device=inputs.device)[None, :]
+            forced = torch.where(j < m[:, None], drafts, miss)
+            return real(inputs, torch.cat((forced, targets[:, k:]), dim=1), base, *rest)
+        return accept
+
+
+DEVICE_ACCEPTANCE = DeviceSetAcceptance()
+
+
 def measure(engine: LLMEngine, batch: int, prompt: int, new: int, name: str) -> dict[str, Any]:
     stats = engine.spec_stats
     drafts0, accepted0 = (stats.num_drafts, stats.num_accepted_tokens) if stats else (0, 0)
+    pipelined0 = getattr(engine, "num_pipelined_verify_steps", 0)
     row: dict[str, Any] = decode_steps(engine, batch, prompt, new, name)
+    row["pipelined_steps"] = getattr(engine, "num_pipelined_verify_steps", 0) - pipelined0
     if stats is not None and stats.num_drafts > drafts0:
         row["tokens_per_step"] = 1 + (stats.num_accepted_tokens - accepted0) / (stats.num_drafts - drafts0)
     else:
@@ -94,10 +161,13 @@ def run_method(result: dict[str, Any], path: str, device: str, method: str, k: i
     and batch. Returns the engine (None where it could not be built: the error is recorded)."""
     on_gpu = device.startswith("cuda")
     speculating = method not in ("none", "verify")
+    if speculating:
+        DEVICE_ACCEPTANCE.install(device)  # before the engine captures its verify-step graphs
     try:
         engine = make_engine(path, device, {"verify": "ngram"}.get(method, method), k, max(batches), **settings)
     except Exception as exc:  # noqa: BLE001 - record and go on
         result["errors"][f"{method}-k{k}"] = repr(exc)
+        DEVICE_ACCEPTANCE.uninstall()
         return None
     if method == "verify":
         engine.proposer = RepeatLast()  # type: ignore[assignment]
@@ -114,6 +184,8 @@ def run_method(result: dict[str, Any], path: str, device: str, method: str, k: i
     try:
         for a in (acceptance if speculating else (0.0,)):
             step_loop.accepted_length = SetAcceptance(a) if speculating else real_acceptance  # type: ignore
+            if speculating and DEVICE_ACCEPTANCE.counts is not None:
+                DEVICE_ACCEPTANCE.set(a)
             for batch in batches:
                 name = f"{method}-b{batch}" if method == "none" else (
                     f"verify-k{k}-b{batch}" if method == "verify" else f"{method}-k{k}-a{a}-b{batch}")
@@ -125,6 +197,7 @@ def run_method(result: dict[str, Any], path: str, device: str, method: str, k: i
                     result["errors"][name] = repr(exc)
     finally:
         step_loop.accepted_length = real_acceptance
+        DEVICE_ACCEPTANCE.uninstall()
     return engine
 
 

@@ -97,3 +97,51 @@ def accept_and_draft_rows_ref(inputs: torch.Tensor, targets: torch.Tensor, base:
             buffer[:, n:].fill_(pad)
     _copy_tables(draft_tables, table, live)
     return accepted, token
+
+
+def verify_group_rows_ref(base: torch.Tensor, live: torch.Tensor | None, r: int, table: torch.Tensor,
+                          block_size: int, slots: torch.Tensor | None, block_tables: torch.Tensor) -> None:
+    """A verify step's rows in one more KV group (a model with several: ``verify_rows_ref`` lays
+    out the first): row ``i * r + j`` gets request ``i``'s ``table [n, W]`` row of that group and,
+    for a per-token group (``slots`` given), the slot of position ``base[i] + j``. Fills the first
+    ``R >= n * r`` entries of ``slots [R]`` (where given) and ``block_tables [R, Wd]``."""
+    n = base.shape[0]
+    alive = _every(live, n, base.device)[:, None].expand(n, r)
+    if slots is not None:
+        pos = torch.where(alive, base[:, None] + torch.arange(r, device=base.device), 0)
+        _fill(slots, _slots(table, pos, block_size, alive), -1)
+    _copy_tables(block_tables, table.repeat_interleave(r, dim=0), alive.reshape(-1))
+
+
+def verify_chain_ref(n: int, r: int, live: torch.Tensor | None, verify_slot: torch.Tensor,
+                     verify_prev: torch.Tensor) -> None:
+    """A verify step's rows for a model with ``state`` KV groups (see ``ForwardContext``): row
+    ``t = i * r + j`` of a live request is verified position ``t`` (its state goes to scratch row
+    ``t``) and, for ``j > 0``, pools from row ``t - 1``'s state; padding rows are neither (-1).
+    Fills the first ``R >= n * r`` entries of ``verify_slot, verify_prev [R]`` int64."""
+    dev = verify_slot.device
+    alive = _every(live, n, dev)[:, None].expand(n, r)
+    t = torch.arange(n * r, device=dev).view(n, r)
+    _fill(verify_slot, torch.where(alive, t, -1), -1)
+    _fill(verify_prev, torch.where(alive & (t % r > 0), t - 1, -1), -1)
+
+
+def commit_states_ref(cache: torch.Tensor, scratch: torch.Tensor, table: torch.Tensor, base: torch.Tensor,
+                      accepted: torch.Tensor, live: torch.Tensor | None, r: int, block_size: int) -> None:
+    """After a verify step of ``n`` requests of ``r`` rows laid out by ``verify_chain_ref``, on the
+    device: request ``i``'s state after verified position ``base[i] + j`` (``scratch`` row ``i * r
+    + j``) goes to the block of ``table [n, W]`` (a ``state`` group's) that holds that position's
+    checkpoint, where ``j`` is kept: the newest accepted position (``j == accepted[i]``) and each
+    accepted one that ends a block (as a prefill chunk checkpoints: ``checkpoint_positions``). The
+    rows not kept, and padding requests', go to the null block (block 0), which takes any write.
+    ``cache [num_blocks, ...]`` and ``scratch [> n * r, ...]``: the group's blocks and the verified
+    positions' states, alike past the first dimension."""
+    n = base.shape[0]
+    dev = base.device
+    j = torch.arange(r, device=dev)[None, :]
+    pos = base[:, None] + j  # [n, r]
+    newest = accepted[:, None]
+    keep = (j <= newest) & ((j == newest) | (pos % block_size == block_size - 1))
+    keep &= _every(live, n, dev)[:, None]
+    blocks = table.gather(1, (pos // block_size).clamp(max=table.shape[1] - 1)).long()
+    cache.index_copy_(0, torch.where(keep, blocks, 0).reshape(-1), scratch[:n * r])

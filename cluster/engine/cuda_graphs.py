@@ -36,6 +36,7 @@ from cluster.common.kv_spec import KVGroupSpec
 from cluster.engine.batch import HostBatch, take_pending_tokens
 from cluster.models.context import ForwardContext
 from cluster.models.ops import REFERENCE_OPS, Ops
+from kernels.spec_decode import commit_states_ref, verify_chain_ref, verify_group_rows_ref
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,17 @@ def stage(host: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         staged = staged.pin_memory()
     return staged.to(device, non_blocking=True)
+
+
+def stage_tables(tables: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Block tables (per KV group ``[n, W_g]``) on ``device`` as ``stage`` puts them: one copy."""
+    host = np.concatenate([np.ascontiguousarray(t, dtype=np.int32).reshape(-1) for t in tables])
+    staged = stage(host, device)
+    out, offset = [], 0
+    for t in tables:
+        out.append(staged[offset:offset + t.size].view(t.shape))
+        offset += t.size
+    return out
 
 
 def fetch(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -375,22 +387,54 @@ class DecodeGraphs:
         return self.outputs[size][:n]
 
     @torch.inference_mode()
-    def run_on_device(self, inputs: torch.Tensor, base: torch.Tensor, table: torch.Tensor,
+    def run_on_device(self, inputs: torch.Tensor, base: torch.Tensor, tables: Sequence[torch.Tensor],
                       live: torch.Tensor | None = None, replay: bool = True) -> torch.Tensor:
         """A verify step whose tokens and positions are on the device (pipelined: the host does
         not know how far the step in flight advanced): request ``i``'s ``inputs[i, j]`` is one
-        decode row at ``base[i] + j`` over ``table[i]`` (``[n, W]`` on the device; one KV group,
-        the draft head's case), its slot looked up there; a request whose ``live`` is false
-        (padding) reads the null block and writes nowhere. Replays the graph, or
-        (``replay=False``, inside another graph's capture) runs its forward on the buffers.
-        Returns hidden states ``[n * (k + 1), H]``, request by request."""
-        assert len(self.specs) == 1 and self.slot_mappings[0] is not None, "verify rows need one per-token KV group"
-        rows = inputs.numel()
+        decode row at ``base[i] + j`` over its row of ``tables`` (per KV group, ``[n, W_g]`` on the
+        device; the first group per-token, the draft head's or the MTP layer's), its slots looked up
+        there; a request whose ``live`` is false (padding) reads the null block and writes nowhere.
+        A model with ``state`` groups keeps each verified position's state in a scratch row until
+        ``commit_states``. Replays the graph, or (``replay=False``, inside another graph's capture)
+        runs its forward on the buffers. Returns hidden states ``[n * (k + 1), H]``, request by
+        request."""
+        assert self.slot_mappings[0] is not None, "verify rows need a per-token first KV group"
+        assert len(tables) == len(self.specs), f"{len(tables)} block tables for {len(self.specs)} KV groups"
+        n, r = inputs.shape
+        rows = n * r
         size = next(s for s in self.sizes if s >= rows)
-        self.ops.spec_verify_rows(inputs, base, live, table, self.specs[0].block_size, self.input_ids[:size],
+        self.ops.spec_verify_rows(inputs, base, live, tables[0], self.specs[0].block_size, self.input_ids[:size],
                                   self.positions[:size], self.seq_lens[:size], self.slot_mappings[0][:size],
                                   self.block_tables[0][:size])
+        for g in range(1, len(self.specs)):
+            slots = self.slot_mappings[g]
+            verify_group_rows_ref(base, live, r, tables[g], self.specs[g].block_size,
+                                  slots[:size] if slots is not None else None, self.block_tables[g][:size])
+        if self.verify_slot is not None and self.verify_prev is not None:
+            verify_chain_ref(n, r, live, self.verify_slot[:size], self.verify_prev[:size])
         if not replay:
             return self.forward(size)[:rows]
         self.graphs[size].replay()
         return self.outputs[size][:rows]
+
+    @property
+    def verify_rows_limit(self) -> int:
+        """The most rows a verify step launched by ``run_on_device`` may have: the graphs' largest
+        size, and for a model with ``state`` groups the scratch rows but the spare one."""
+        limit = self.max_batch
+        for scratch in self.verify_states or ():
+            if scratch is not None:
+                limit = min(limit, int(scratch.shape[0]) - 1)
+        return limit
+
+    @torch.inference_mode()
+    def commit_states(self, tables: Sequence[torch.Tensor], base: torch.Tensor, accepted: torch.Tensor,
+                      live: torch.Tensor | None, r: int) -> None:
+        """After ``run_on_device`` and the acceptance (``accepted [n]`` drafts), on the device: each
+        ``state`` group keeps the states a synchronous step's ``ModelRunner.commit_verified``
+        keeps (the newest accepted position's and every accepted block end's), so the groups are
+        those of requests that never saw their rejected drafts."""
+        for g, scratch in enumerate(self.verify_states or ()):
+            if scratch is not None:
+                commit_states_ref(self.kv_caches[g], scratch, tables[g], base, accepted, live, r,
+                                  self.specs[g].block_size)

@@ -217,9 +217,10 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             if self.model_config.speculative_method == "dspark":
                 return "speculative_method='dspark' has no pipelined verify steps yet: each waits for its block's drafts"
             return f"speculative_method={self.model_config.speculative_method!r} proposes on the host"
-        if len(self.kv_specs) != 1:
-            return (f"the model's KV is {len(self.kv_specs)} groups ({', '.join(s.name for s in self.kv_specs)}): "
-                    "pipelined verify steps are built for one full-attention group")
+        if self.kv_specs[0].kind not in ("full", "sliding_window"):
+            return f"the model's first KV group ({self.kv_specs[0].name}) is not per-token: the drafter's KV lives there"
+        if any(s.kind == "state" for s in self.kv_specs) and self.runner.verify_states is None:
+            return "the model's state KV groups keep no verified positions' states"
         if not self.scheduler_config.async_scheduling:
             return "async_scheduling is off"
         drafter = self.runner.drafter

@@ -15,7 +15,8 @@ import torch
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
 from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
-from cluster.engine.cuda_graphs import DecodeGraphs, GraphStatus, GraphUnsafeError, capture_with_status, fetch, stage
+from cluster.engine.cuda_graphs import (DecodeGraphs, GraphStatus, GraphUnsafeError, capture_with_status, fetch,
+                                       stage_tables)
 from cluster.engine.draft_runner import DraftHeadRunner, DraftJob
 from cluster.engine.sampler import Sampler, SamplingRow, to_device
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -248,11 +249,12 @@ class ModelRunner:
 
     def can_launch_verify(self, num_requests: int, num_tokens: int) -> bool:
         """Whether ``launch_verify`` can run ``num_requests`` requests verifying ``num_tokens``
-        drafts each: the decode and draft graphs are captured and hold them."""
+        drafts each: the decode and draft graphs are captured and hold them (and, for a model
+        with ``state`` groups, the verified positions' scratch rows)."""
         drafter = self.drafter
         return (self.graphs is not None and drafter is not None and drafter.graphs is not None
                 and drafter.graphs.k == num_tokens and 0 < num_requests <= drafter.graphs.max_batch
-                and num_requests * (1 + num_tokens) <= self.graphs.max_batch)
+                and num_requests * (1 + num_tokens) <= self.graphs.verify_rows_limit)
 
     def capture_verify_graphs(self, emulate: bool = False) -> GraphStatus:
         """Capture greedy verify steps (``VerifyGraphs``) once the decode and draft graphs are; a
@@ -274,7 +276,7 @@ class ModelRunner:
         return self.verify_graph_status
 
     @torch.inference_mode()
-    def launch_verify(self, tables: np.ndarray, rows: list[SamplingRow], inputs: torch.Tensor,
+    def launch_verify(self, tables: Sequence[np.ndarray], rows: list[SamplingRow], inputs: torch.Tensor,
                       base: torch.Tensor, draw_scales: list[float] | None = None,
                       seeded: SeededWindow | None = None,
                       noise: Sequence[torch.Tensor | None] | torch.Tensor | None = None) -> VerifyLaunch:
@@ -282,8 +284,8 @@ class ModelRunner:
         without waiting for the GPU: greedy batches replay one verify-step graph, batches with
         sampled requests (no filters) the sampled one (``VerifyGraphs.run_sampled``), others
         replay the decode and draft graphs with their sampling and acceptance launched between.
-        ``tables [n, W]``: the requests' blocks (their one full-attention group), covering every
-        position written; ``rows``: the rows' sampling, request by request. ``noise``: per
+        ``tables``: per KV group, the requests' blocks ``[n, W_g]``, covering every position
+        written; ``rows``: the rows' sampling, request by request. ``noise``: per
         request, the draw noise ``[k + 1, V]`` of its rows that its drafts were drawn with
         (coupled drafts; None: drawn at the draw). ``draw_scales`` (per request 1 / temperature,
         0 for greedy): the next step's noise is drawn here (unseeded) and the head's next drafts
@@ -292,7 +294,7 @@ class ModelRunner:
         chosen on the device (where every sampled request is seeded, no unseeded noise is drawn)."""
         assert self.graphs is not None and self.drafter is not None and self.drafter.graphs is not None
         n, r = inputs.shape
-        table = stage(np.ascontiguousarray(tables, dtype=np.int32), self.device)
+        table = stage_tables(tables, self.device)
         drafts, graphs = self.drafter.graphs, self.verify_graphs
         drafts.neutral()  # the device's proposals are greedy
         if graphs is not None and graphs.can_run(n) and all(row.params.greedy for row in rows):

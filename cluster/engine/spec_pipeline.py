@@ -169,8 +169,8 @@ class SpecPipelining:
         position lies (the step in flight's accepted drafts + 1), for seeded requests' noise."""
         previous = self._verify_in_flight
         k = self.model_config.num_speculative_tokens
-        tables = self.kv.block_tables
-        table = pad_tables([tables(r.request_id)[0] for r in requests])
+        tables = [self.kv.block_tables(r.request_id) for r in requests]
+        table = [pad_tables([t[g] for t in tables]) for g in range(len(tables[0]))]  # per KV group
         sampling = [self._sampling_row(r) for r in requests for _ in range(k + 1)]  # unseeded: any position
         scales = None
         if self.model_config.speculative_draft_sampling == "coupled" and any(not q.sampling_params.greedy

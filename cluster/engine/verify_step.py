@@ -18,7 +18,7 @@ capture; each replay runs the forward on the static buffers under :class:`GraphS
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,22 +62,26 @@ class VerifyOutputs:
                              self.last_hidden[:n])
 
 
-def verify_on_device(decode: DecodeGraphs, drafts: DraftHeadGraphs, model: Any, table: torch.Tensor,
+def verify_on_device(decode: DecodeGraphs, drafts: DraftHeadGraphs, model: Any, tables: Sequence[torch.Tensor],
                      inputs: torch.Tensor, base: torch.Tensor, sample: Callable[[torch.Tensor], torch.Tensor],
                      live: torch.Tensor | None = None, replay: bool = True,
                      draws: tuple[torch.Tensor, torch.Tensor] | None = None,
                      window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> VerifyOutputs:
     """A verify step of ``n`` requests: ``inputs [n, k + 1]`` (each one's last known token, then
-    its drafts) at positions ``base [n]`` on, one decode row each, over ``table [n, W]`` (their
-    blocks, covering every position written); ``sample`` turns the rows' logits into tokens; the
-    drafts are accepted while they equal the target's tokens, then the head drafts ``k`` more
-    (sampled requests drawing theirs with ``draws``: ``DraftHeadRunner.draws_from_noise``; the
-    seeded ones with their positions' noise from ``window``, see ``run_after_verify``)."""
+    its drafts) at positions ``base [n]`` on, one decode row each, over ``tables`` (per KV group
+    ``[n, W_g]``: their blocks, covering every position written); ``sample`` turns the rows' logits
+    into tokens; the drafts are accepted while they equal the target's tokens, then the head (the
+    draft head, or the MTP layer: its KV in the first group) drafts ``k`` more (sampled requests
+    drawing theirs with ``draws``: ``DraftHeadRunner.draws_from_noise``; the seeded ones with their
+    positions' noise from ``window``, see ``run_after_verify``). A model with ``state`` groups
+    (DeepSeek-V4's compressors) then keeps the accepted positions' states
+    (``DecodeGraphs.commit_states``)."""
     n, r = inputs.shape
-    hidden = decode.run_on_device(inputs, base, table, live=live, replay=replay)  # [n * r, H]
+    hidden = decode.run_on_device(inputs, base, tables, live=live, replay=replay)  # [n * r, H]
     targets = sample(model.compute_logits(hidden)).view(n, r)
-    proposal, accepted, token = drafts.run_after_verify(table, base, inputs, targets, hidden, live=live, replay=replay,
-                                                        draws=draws, window=window)
+    proposal, accepted, token = drafts.run_after_verify(tables[0], base, inputs, targets, hidden, live=live,
+                                                        replay=replay, draws=draws, window=window)
+    decode.commit_states(tables, base, accepted, live, r)
     last_hidden = hidden.index_select(0, drafts.last_rows[:n])  # each request's row at its newest position
     return VerifyOutputs(targets, accepted, torch.cat((token[:, None], proposal), dim=1), base + accepted + 1,
                          last_hidden)
@@ -90,15 +94,16 @@ class VerifyGraphs:
         self.vocab_size = vocab_size
         self.emulate = emulate
         self.rows = drafts.k + 1
-        self.sizes = [s for s in drafts.sizes if s * self.rows <= decode.max_batch]
+        self.sizes = [s for s in drafts.sizes if s * self.rows <= decode.verify_rows_limit]
         if not self.sizes:
-            raise GraphUnsafeError(f"the decode graphs ({decode.max_batch} rows) hold no verify step of "
-                                   f"{self.rows} rows")
+            raise GraphUnsafeError(f"the decode graphs ({decode.verify_rows_limit} verify rows) hold no verify step "
+                                   f"of {self.rows} rows")
         self.max_batch = b = self.sizes[-1]
         with torch.device(decode.device):
             self.inputs = torch.zeros((b, self.rows), dtype=torch.int64)
             self.base = torch.zeros(b, dtype=torch.int64)
-            self.tables = torch.zeros((b, decode.block_tables[0].shape[1]), dtype=torch.int32)
+            #: Per KV group, the requests' block tables.
+            self.tables = [torch.zeros((b, t.shape[1]), dtype=torch.int32) for t in decode.block_tables]
             self.live = torch.zeros(b, dtype=torch.bool)
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, VerifyOutputs] = {}
@@ -148,15 +153,17 @@ class VerifyGraphs:
         return torch.where(sampled, sample_with_noise_ref(probs, self.noise[:m]), logits.argmax(-1))
 
     def forward(self, size: int) -> VerifyOutputs:
-        return verify_on_device(self.decode, self.drafts, self.model, self.tables[:size], self.inputs[:size],
-                                self.base[:size], self._greedy, live=self.live[:size], replay=False)
+        return verify_on_device(self.decode, self.drafts, self.model, [t[:size] for t in self.tables],
+                                self.inputs[:size], self.base[:size], self._greedy, live=self.live[:size],
+                                replay=False)
 
     def sampled_forward(self, size: int) -> VerifyOutputs:
         window = None
         if self.windows:
             window = (self.window_gumbel[:, :size], self.window_start[:size], self.window_rows[:size])
-        return verify_on_device(self.decode, self.drafts, self.model, self.tables[:size], self.inputs[:size],
-                                self.base[:size], self._draw, live=self.live[:size], replay=False, window=window)
+        return verify_on_device(self.decode, self.drafts, self.model, [t[:size] for t in self.tables],
+                                self.inputs[:size], self.base[:size], self._draw, live=self.live[:size],
+                                replay=False, window=window)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -247,15 +254,16 @@ class VerifyGraphs:
         return bool(self.sampled_graphs) and 0 < n <= self.max_batch and (self.windows or not window)
 
     @torch.inference_mode()
-    def run(self, table: torch.Tensor, inputs: torch.Tensor, base: torch.Tensor) -> VerifyOutputs:
+    def run(self, tables: Sequence[torch.Tensor], inputs: torch.Tensor, base: torch.Tensor) -> VerifyOutputs:
         """A greedy verify step of ``n`` requests (see ``verify_on_device``) as one replay; the
         outputs are the graph's buffers, valid until its next replay."""
-        size = self._stage(table, inputs, base)
+        size = self._stage(tables, inputs, base)
         self.graphs[size].replay()
         return self.outputs[size].head(inputs.shape[0])
 
     @torch.inference_mode()
-    def run_sampled(self, table: torch.Tensor, inputs: torch.Tensor, base: torch.Tensor, temperature: torch.Tensor,
+    def run_sampled(self, tables: Sequence[torch.Tensor], inputs: torch.Tensor, base: torch.Tensor,
+                    temperature: torch.Tensor,
                     noise: torch.Tensor, window: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                     ) -> VerifyOutputs:
         """A verify step of ``n`` requests with sampled ones as one replay: ``temperature [n (k +
@@ -266,7 +274,7 @@ class VerifyGraphs:
         The outputs are the graph's buffers, valid until its next replay."""
         n = inputs.shape[0]
         m = n * self.rows
-        size = self._stage(table, inputs, base)
+        size = self._stage(tables, inputs, base)
         self.temperature[:m].copy_(temperature)
         self.temperature[m:size * self.rows].zero_()
         self.noise[:m].copy_(noise)
@@ -282,7 +290,7 @@ class VerifyGraphs:
         self.sampled_graphs[size].replay()
         return self.sampled_outputs[size].head(n)
 
-    def _stage(self, table: torch.Tensor, inputs: torch.Tensor, base: torch.Tensor) -> int:
+    def _stage(self, tables: Sequence[torch.Tensor], inputs: torch.Tensor, base: torch.Tensor) -> int:
         """The step's inputs in the static buffers, padded to the graph's size (returned)."""
         n = inputs.shape[0]
         size = next(s for s in self.sizes if s >= n)
@@ -290,8 +298,9 @@ class VerifyGraphs:
         self.inputs[n:size].zero_()
         self.base[:n].copy_(base)
         self.base[n:size].zero_()
-        self.tables[:size].zero_()
-        self.tables[:n, :table.shape[1]].copy_(table)
+        for dest, table in zip(self.tables, tables, strict=True):
+            dest[:size].zero_()
+            dest[:n, :table.shape[1]].copy_(table)
         self.live[:n].fill_(True)
         self.live[n:size].fill_(False)
         return size
