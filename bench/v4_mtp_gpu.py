@@ -54,11 +54,14 @@ from cluster.engine.engine import LLMEngine  # noqa: E402
 
 BATCHES, KS, ACCEPTANCE, PROMPT, NEW = (1, 8, 32), (1, 2, 3), (0.0, 0.5, 0.8, 1.0), 512, 48
 TINY_RUN = ((1, 2), (1, 2), (0.0, 1.0), 24, 8)
+#: pipelined_verify_kv_groups for the engines (``--sync-verify``: off, V4's verify steps synchronous).
+PIPELINED = True
 ANCHORS = {"deepseek_v3_mtp_second_token": [0.85, 0.90], "v4_accepted_tokens_per_step_k3": 3.1}
 
 
 def make_engine(path: str, device: str, method: str, k: int, max_num_seqs: int, **settings: Any) -> LLMEngine:
     """``settings``: more ModelConfig fields (e.g. ``dspark_cuda_graphs``)."""
+    settings.setdefault("pipelined_verify_kv_groups", PIPELINED)
     return LLMEngine(ModelConfig(model=path, load_format="dummy", device=device, dtype="bfloat16",
                                  max_model_len=2048, speculative_method=method, num_speculative_tokens=max(k, 1),
                                  **settings),
@@ -209,7 +212,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batches", help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--ks", help="comma-separated draft lengths (default 1,2,3)")
     parser.add_argument("--acceptance", help="comma-separated set acceptances (default 0,0.5,0.8,1)")
+    parser.add_argument("--sync-verify", action="store_true",
+                        help="pipelined_verify_kv_groups off: V4's verify steps synchronous (the default before it)")
     args = parser.parse_args(argv)
+    global PIPELINED
+    PIPELINED = not args.sync_verify
     batches, ks, acceptance, prompt, new = TINY_RUN if args.tiny else (BATCHES, KS, ACCEPTANCE, PROMPT, NEW)
     if args.batches:
         batches = tuple(int(b) for b in args.batches.split(","))
@@ -225,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": f"DeepSeek-V4-Flash width, {config['num_hidden_layers']} layers + the MTP layer, MXFP4 experts, "
                  "random weights",
         "method": f"{prompt}-token prompts, {new} new tokens, median step; acceptance set by the benchmark "
-                  "(see the script); none is the anchor", "rows": {}, "errors": {}, "fast_paths": {}}
+                  "(see the script); none is the anchor", "pipelined_verify_kv_groups": PIPELINED,
+        "rows": {}, "errors": {}, "fast_paths": {}}
     rows = result["rows"]
     with tempfile.TemporaryDirectory() as path:
         write_model_dir(path, config)

@@ -83,6 +83,13 @@ class ModelConfig:
     #: instead of launching its kernels from Python (on by default: the GPU gate runs them,
     #: gpucheck-h200-2026-12-05-*.json); off, ``/v1/backends`` says so.
     dspark_cuda_graphs: bool = True
+    #: mtp (and draft_head on a model with several KV groups: DeepSeek-V4's six) with
+    #: ``async_scheduling`` on a GPU: verify steps run pipelined (spec_pipeline.py: the rows of
+    #: every group laid out, the compressors' accepted states committed and the next drafts
+    #: launched on the device). Off by default until the GPU gate has run them; off, verify steps
+    #: of such a model run synchronously and ``/v1/backends`` says so. Models of one KV group
+    #: pipeline regardless.
+    pipelined_verify_kv_groups: bool = False
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))

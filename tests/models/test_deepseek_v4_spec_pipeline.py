@@ -9,7 +9,8 @@ knows the reference continuation and is wrong at every fifth position: drafts ar
 and rejected across compression windows (CSA 4, HCA 8), sliding windows (8) and blocks (4). Greedy,
 seeded and ``n > 1`` output equals decoding without speculation token for token; prompts that
 extend earlier outputs hit blocks whose state checkpoints the device committed and still decode
-the same; aborts mid-epoch free every block of every group."""
+the same; aborts mid-epoch free every block of every group. Until the GPU gate has run them,
+they are off by default (``pipelined_verify_kv_groups``), and the engine says so."""
 from __future__ import annotations
 
 import pytest
@@ -65,7 +66,8 @@ def pipelined_llm(path: str, outputs: list[list[int]], emulate: bool = True, **k
     """The MTP engine with decode, draft and verify-step graphs (emulated, or captured on a GPU)
     and the oracle drafting."""
     settings = {"block_size": 4, "max_num_seqs": 8, **TRITON, **kwargs}
-    llm = LLM(path, speculative_method="mtp", num_speculative_tokens=K, enforce_eager=True, **settings)
+    llm = LLM(path, speculative_method="mtp", num_speculative_tokens=K, enforce_eager=True,
+              pipelined_verify_kv_groups=True, **settings)
     engine = llm.engine
     assert "CUDA graphs" in engine.spec_pipeline_status
     runner = engine.runner
@@ -108,6 +110,20 @@ def test_pipelined_mtp_output_equals_no_speculation(v4):
     row = next(r for r in engine.backends() if r["component"] == "speculative_decoding")
     assert "verify steps pipelined" in row["reason"]
     assert engine.kv.usage == 0.0 and not engine.runner.drafter.states
+
+
+def test_off_by_default_and_said(v4):
+    llm = LLM(v4, block_size=4, speculative_method="mtp", num_speculative_tokens=K, enforce_eager=True,
+              max_num_seqs=4, **TRITON)
+    engine = llm.engine
+    assert engine.runner.capture_cuda_graphs(4 * (1 + K), 64, emulate=True, verify_depth=1 + K).captured
+    engine._capture_draft_graphs(emulate=True)
+    engine._init_spec_pipelining()
+    assert not engine._spec_pipelined
+    assert "pipelined_verify_kv_groups is off" in engine.spec_pipeline_status
+    assert "6 groups (swa, csa_kv, csa_index, csa_state, hca_kv, hca_state)" in engine.spec_pipeline_status
+    row = next(r for r in engine.backends() if r["component"] == "speculative_decoding")
+    assert "pipelined_verify_kv_groups is off" in row["reason"]
 
 
 def test_pipelined_mtp_with_aborts_frees_every_block(v4):
