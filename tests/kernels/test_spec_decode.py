@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.spec_decode import accept_and_draft_rows_ref, verify_rows_ref
+from kernels.spec_decode import accept_and_draft_rows_ref, commit_states_ref, verify_chain_ref, verify_rows_ref
 from kernels.triton_spec_decode import accept_and_draft_rows_triton, verify_rows_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -101,3 +101,37 @@ def test_kernels_on_the_gpu_at_serving_sizes():
             want = run(verify_rows_ref, accept_and_draft_rows_ref, case, live, 16, 512, 64, dest_width=512)
             got = run(verify_rows_triton, accept_and_draft_rows_triton, case, live, 16, 512, 64, dest_width=512)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_state_commit_on_the_device_keeps_what_the_host_commit_keeps(k, block_size):
+    """``commit_states_ref`` (pipelined verify steps) writes the states ``ModelRunner.commit_verified``
+    writes after a synchronous step (the positions ``checkpoint_positions`` names over the
+    accepted ones), every other row going to the null block; ``verify_chain_ref`` numbers the rows
+    as the host's verify batch does (``build_host_batch``: running ordinal, the row before)."""
+    from cluster.common.kv_spec import checkpoint_positions
+    gen = torch.Generator().manual_seed(k * 10 + block_size)
+    n, r, width, blocks = 5, k + 1, 8, 64
+    table = torch.randperm(blocks - 1, generator=gen)[:n * width].view(n, width).int() + 1  # distinct, not null
+    base = torch.randint(0, width * block_size - r, (n,), generator=gen)
+    accepted = torch.randint(0, k + 1, (n,), generator=gen)
+    live = torch.tensor([True, True, False, True, True])
+    scratch = torch.randn((n * r + 1, 2, 3), generator=gen)
+    cache = torch.randn((blocks, 2, 3), generator=gen)
+    want = cache.clone()
+    for i in range(n):
+        if not live[i]:
+            continue
+        start = int(base[i])
+        for q in checkpoint_positions(start, start + int(accepted[i]) + 1, block_size):
+            want[int(table[i, q // block_size])] = scratch[i * r + q - start]
+    got = cache.clone()
+    commit_states_ref(got, scratch, table, base, accepted, live, r, block_size)
+    torch.testing.assert_close(got[1:], want[1:], rtol=0, atol=0)
+    slot, prev = torch.zeros(n * r + 3, dtype=torch.long), torch.zeros(n * r + 3, dtype=torch.long)
+    verify_chain_ref(n, r, live, slot, prev)
+    t = torch.arange(n * r)
+    alive = live.repeat_interleave(r)
+    assert slot.tolist() == torch.where(alive, t, -1).tolist() + [-1] * 3
+    assert prev.tolist() == torch.where(alive & (t % r > 0), t - 1, -1).tolist() + [-1] * 3
