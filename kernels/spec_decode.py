@@ -52,9 +52,7 @@ def verify_rows_ref(inputs: torch.Tensor, base: torch.Tensor, live: torch.Tensor
     _fill(input_ids, inputs, 0)
     _fill(positions, pos, 0)
     _fill(seq_lens, pos + 1, 1)
-    _fill(slots, _slots(table, pos, block_size, alive), -1)
-    rows = table.repeat_interleave(r, dim=0)  # [n * r, W]
-    _copy_tables(block_tables, rows, alive.reshape(-1))
+    verify_group_rows_ref(base, live, r, table, block_size, slots, block_tables)
 
 
 def accept_and_draft_rows_ref(inputs: torch.Tensor, targets: torch.Tensor, base: torch.Tensor, live: torch.Tensor | None,
@@ -101,8 +99,8 @@ def accept_and_draft_rows_ref(inputs: torch.Tensor, targets: torch.Tensor, base:
 
 def verify_group_rows_ref(base: torch.Tensor, live: torch.Tensor | None, r: int, table: torch.Tensor,
                           block_size: int, slots: torch.Tensor | None, block_tables: torch.Tensor) -> None:
-    """A verify step's rows in one more KV group (a model with several: ``verify_rows_ref`` lays
-    out the first): row ``i * r + j`` gets request ``i``'s ``table [n, W]`` row of that group and,
+    """A verify step's rows in one KV group (``verify_rows_ref`` lays out the first group with the
+    rows' tokens and positions; a model with several calls this for each other group): row ``i * r + j`` gets request ``i``'s ``table [n, W]`` row of that group and,
     for a per-token group (``slots`` given), the slot of position ``base[i] + j``. Fills the first
     ``R >= n * r`` entries of ``slots [R]`` (where given) and ``block_tables [R, Wd]``."""
     n = base.shape[0]

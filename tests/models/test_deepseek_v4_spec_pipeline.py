@@ -94,8 +94,9 @@ def test_pipelined_mtp_output_equals_no_speculation(v4):
     # second round: prompts extending the first outputs (prefix hits on blocks whose states the
     # device committed)
     later = [list(PROMPTS[i]) + list(first[i].outputs[0].token_ids[:13]) for i in (0, 3)]
-    want_later = output_summary(base.generate(later, greedy))
-    outputs += [list(p) + list(o.outputs[0].token_ids) for p, o in zip(later, base.generate(later, greedy))]
+    second = base.generate(later, greedy)
+    want_later = output_summary(second)
+    outputs += [list(p) + list(o.outputs[0].token_ids) for p, o in zip(later, second)]
     llm = pipelined_llm(v4, outputs)
     engine = llm.engine
     assert output_summary(llm.generate(PROMPTS, params)) == want
