@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, median  # noqa: E402
 from cluster import LLM, SamplingParams  # noqa: E402
+from kernels import cpu_native  # noqa: E402
 from cluster.models.layers import Linear  # noqa: E402
 from cluster.models.registry import resolve_model_path  # noqa: E402
 
@@ -182,8 +183,13 @@ def main() -> None:
     bytes_q, bytes_f32 = weight_bytes_per_token(llm), weight_bytes_per_token(exact)
     results: dict[str, object] = {
         "benchmark": "engine-offline", "model": "SmolLM2-135M-Instruct (GGUF: Q4_1 projections, Q8_0 embedding)",
-        "paths": {"ours": "default on a CPU: Q4_1 projections kept 4-bit (torch _weight_int4pack_mm_for_cpu), "
-                          "tied Q8_0 logits int8 per row (_weight_int8pack_mm), float32 elsewhere",
+        "paths": {"ours": ("default on a CPU: Q4_1 projections and the tied Q8_0 logits kept in the file's blocks, "
+                           "the native AVX2 kernels (kernels/cpu_native.c) for fewer than 16 rows, a float32 GEMM "
+                           "over their exact dequantization from 16 on; float32 elsewhere"
+                           if cpu_native.available() else
+                           "default on a CPU: Q4_1 projections kept 4-bit (torch _weight_int4pack_mm_for_cpu), tied "
+                           f"Q8_0 logits int8 per row (_weight_int8pack_mm), float32 elsewhere; the native kernels "
+                           f"do not run here: {cpu_native.status()[1]}"),
                   "ours_float32": "dtype=float32: every weight dequantized (transformers' weights)"},
         "kernels": [r for r in llm.engine.model.kernel_choices()
                     if r["component"] in ("linear", "logits", "decode_step")],

@@ -1,9 +1,11 @@
 """GGUF weights kept quantized on the CPU (the embedded default's decode path).
 
-A GGUF file's Q4_1 projections are repacked once, after loading, for the CPU int4 kernel
-(``kernels.cpu_quant``): their 4-bit codes are kept exactly, the scales and zeros in bfloat16.
-The logits projection of a tied, already quantized embedding (SmolLM2's Q8_0) becomes int8 with
-one scale per row. Everything else (embedding lookup, norms, attention, residuals) stays float32.
+A GGUF file's Q4_1 projections keep their blocks, after loading, for the native CPU kernel
+(``kernels.cpu_native``: float16 scales and minimums as stored, AVX2 integer dot products), and
+are also repacked for torch's int4 kernel, which takes their place where the native one cannot
+run (no AVX2 or no C compiler: said in the log and the kernel table). The logits projection of a
+tied, already quantized embedding (SmolLM2's Q8_0) becomes Q8_0 blocks for the native kernel
+(exactly the file's) and int8 with one scale per row for torch's. Everything else (embedding lookup, norms, attention, residuals) stays float32.
 A decode step of up to 8 rows then reads about 95 MB of weights for SmolLM2-135M instead of 538;
 from 9 rows on (batched decode, prefill chunks, verify batches) each projection reads its bfloat16
 dequantization instead, kept next to the codes (about 270 MB more memory), whose GEMM costs about
@@ -21,6 +23,7 @@ from torch import nn
 
 from cluster.models.layers import Linear
 from cluster.models.loader import ParamTarget
+from kernels import cpu_native
 from kernels.cpu_quant import (GROUP_SIZE, can_pack_q4, dense_dtype, dense_from_rows, dense_logits_from_rows,
                                int4_cpu_available, pack_q4, pack_q8_rows)
 
@@ -45,6 +48,10 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
         if target is not None and target.dim == 0:
             by_param.setdefault(target.param, []).append((target, blocks))
     modules = dict(net.named_modules())
+    native, native_why = cpu_native.status()
+    if not native:
+        logger.warning("the native CPU kernels do not run here (%s): few-row steps take torch's int4/int8 kernels "
+                       "instead (about 2x slower per decode step on an AVX2 core)", native_why)
     packed = kept = 0
     q4_bytes = dense_bytes = 0
     for param, parts in by_param.items():
@@ -62,15 +69,19 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
         for target, blocks in parts:
             rows = slice(target.offset, target.offset + (target.size if target.size is not None else n))
             codes[rows], scale[rows], minimum[rows] = blocks.codes, blocks.scale, blocks.minimum
-        weight = pack_q4(codes, scale, minimum, dense=True)
+        weight = pack_q4(codes, scale, minimum, dense=True, native=native)
         module.quantize(weight)
         packed += 1
         q4_bytes += weight.nbytes
         dense_bytes += weight.dense.numel() * weight.dense.element_size() if weight.dense is not None else 0
-    rows = [{"component": "linear", "op": "linear", "format": "gguf_q4_1", "impl": "torch_int4pack_cpu",
-             "device": "cpu", "role": "main",
-             "reason": f"{packed} projections keep the file's 4-bit codes ({q4_bytes / 2**20:.0f} MiB; scales and "
-                       f"zeros in bfloat16, activations rounded to bfloat16 for the matmul); from "
+    few = (f"the native Q4_1 kernel over the file's blocks ({q4_bytes / 2**20:.0f} MiB; float16 scales and "
+           f"minimums as stored, activations rounded to 8 bits per block of 32, AVX2 integer dot products)"
+           if native else
+           f"torch's int4 kernel ({q4_bytes / 2**20:.0f} MiB; scales and zeros in bfloat16, activations rounded to "
+           f"bfloat16; fell back from the native kernel: {native_why})")
+    rows = [{"component": "linear", "op": "linear", "format": "gguf_q4_1",
+             "impl": "native_q4_1_cpu" if native else "torch_int4pack_cpu", "device": "cpu", "role": "main",
+             "reason": f"{packed} projections keep the file's 4-bit codes: {few}; from "
                        f"{dense_from_rows()} rows of activations on, their bfloat16 dequantization as "
                        f"{_dense_name()} ({dense_bytes / 2**20:.0f} MiB, a GEMM that costs about the same for 4 "
                        f"rows as for 32{_dense_why()})"
@@ -79,13 +90,20 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
     if getattr(net, "lm_head", None) is None and embed_type in _QUANTIZED_TYPES and hasattr(net, "quantize_logits"):
         weight = net.embed_tokens.weight.detach()
         if weight.shape[0] % 16 == 0:
-            q8 = pack_q8_rows(weight, dense=True)
+            q8 = pack_q8_rows(weight, dense=True, native=native and weight.shape[1] % cpu_native.QK == 0)
             net.quantize_logits(q8)
-            rows.append({"component": "logits", "op": "linear", "format": f"gguf_{embed_type.lower()}->int8_row",
-                         "impl": "torch_int8pack_cpu", "device": "cpu", "role": "main",
-                         "reason": f"the tied {embed_type} embedding as int8 with one scale per row "
-                                   f"({q8.nbytes / 2**20:.0f} MiB); from {dense_logits_from_rows()} rows on, "
-                                   f"its bfloat16 dequantization as {_dense_name()}{_dense_why()}"})
+            if q8.native is not None:
+                impl, fmt = "native_q8_0_cpu", f"gguf_{embed_type.lower()}->q8_0"
+                few = (f"the tied {embed_type} embedding as Q8_0 blocks ({q8.nbytes / 2**20:.0f} MiB; a Q8_0 "
+                       f"file's exactly), the native kernel")
+            else:
+                impl, fmt = "torch_int8pack_cpu", f"gguf_{embed_type.lower()}->int8_row"
+                few = (f"the tied {embed_type} embedding as int8 with one scale per row ({q8.nbytes / 2**20:.0f} MiB)"
+                       + ("" if native else f"; fell back from the native kernel: {native_why}"))
+            rows.append({"component": "logits", "op": "linear", "format": fmt, "impl": impl, "device": "cpu",
+                         "role": "main",
+                         "reason": f"{few}; from {dense_logits_from_rows()} rows on, its bfloat16 dequantization "
+                                   f"as {_dense_name()}{_dense_why()}"})
     if packed and hasattr(net, "cpu_decode"):
         rows.append(_lean_decode(net))
     logger.info("CPU weights: %s", "; ".join(r["reason"] for r in rows))
@@ -99,6 +117,7 @@ def quantize_float_linears(module: nn.Module) -> int:
     many it quantized; shapes the kernel does not take stay float."""
     if not int4_cpu_available():
         return 0
+    native = cpu_native.available()
     done = 0
     for linear in module.modules():
         if not isinstance(linear, Linear) or linear.quantized is not None:
@@ -110,7 +129,7 @@ def quantize_float_linears(module: nn.Module) -> int:
         lo, hi = groups.amin(-1), groups.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         codes = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-        linear.quantize(pack_q4(codes.reshape(n, k), scale, lo, dense=True))
+        linear.quantize(pack_q4(codes.reshape(n, k), scale, lo, dense=True, native=native))
         done += 1
     return done
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from cluster import LLM, SamplingParams
 from cluster.models.gguf import read_gguf
 from cluster.models.registry import resolve_model_path
+from kernels import cpu_native
 from kernels.cpu_quant import (can_pack_q4, int4_cpu_available, linear_q4, linear_q4_ref, linear_q8, pack_q4,
                                pack_q8_rows, q4_matmul, q8_dequantize_ref)
 
@@ -158,12 +159,32 @@ def test_default_cpu_engine_keeps_the_4_bit_weights_and_says_so(quantized, exact
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert linear.quantized is not None and linear.weight.numel() == 0
     table = {row["component"]: row for row in model.kernel_choices() if row["component"] in ("linear", "logits")}
-    assert table["logits"]["impl"] == "torch_int8pack_cpu"
-    assert any(row["impl"] == "torch_int4pack_cpu" for row in model.kernel_choices())
+    native = cpu_native.available()
+    assert table["logits"]["impl"] == ("native_q8_0_cpu" if native else "torch_int8pack_cpu")
+    assert any(row["impl"] == ("native_q4_1_cpu" if native else "torch_int4pack_cpu") for row in model.kernel_choices())
+    assert (layer.mlp.gate_up_proj.quantized.native is not None) == native
+    assert (model.quantized_logits.native is not None) == native
     # dtype="float32": the exact path, every weight dequantized
     assert exact.engine.model.layers[0].mlp.gate_up_proj.quantized is None
     assert exact.engine.model.quantized_logits is None
-    assert not any(row["impl"].endswith("pack_cpu") for row in exact.engine.model.kernel_choices())
+    assert not any(row["impl"].endswith("_cpu") and row["component"] in ("linear", "logits")
+                   for row in exact.engine.model.kernel_choices())
+
+
+def test_without_the_native_kernels_the_engine_takes_torchs_and_says_why(monkeypatch, caplog):
+    """No AVX2 or no C compiler (emulated here): torch's int4 / int8 kernels, said in the kernel
+    table and the log, and the same greedy tokens as the float32 path still."""
+    monkeypatch.setattr(cpu_native, "status", lambda: (False, "this CPU lacks avx2"))
+    with caplog.at_level("WARNING"):
+        llm = LLM("smollm2")
+    table = {row["component"]: row for row in llm.engine.model.kernel_choices()}
+    assert table["linear"]["impl"] == "torch_int4pack_cpu" and table["logits"]["impl"] == "torch_int8pack_cpu"
+    assert "fell back from the native kernel: this CPU lacks avx2" in table["linear"]["reason"]
+    assert "fell back from the native kernel: this CPU lacks avx2" in table["logits"]["reason"]
+    assert "native CPU kernels do not run here (this CPU lacks avx2)" in caplog.text
+    assert llm.engine.model.layers[0].mlp.gate_up_proj.quantized.native is None
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    assert len(llm.chat(README_CHATS[0], params)[0].outputs[0].token_ids) > 3
 
 
 def test_quantized_greedy_tokens_equal_the_float32_path_on_the_readme_prompts(quantized, exact):

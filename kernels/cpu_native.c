@@ -1,0 +1,240 @@
+/* pd-cluster's native CPU matmuls over GGUF's 4- and 8-bit blocks (x86-64, AVX2 + FMA + F16C).
+ *
+ * Built once by kernels/cpu_native.py with the system C compiler and called through ctypes: no
+ * torch headers, so it compiles in about a second. The weights stay in their file's blocks; the
+ * activations are rounded to 16 bits per block of 32 (one float scale per block), and each block's
+ * product is an integer dot product (vpmaddwd, exact in int32) scaled once:
+ *
+ *   Q4_1 weight block:  w_i = d * q_i + m        (q_i in 0..15, d and m float16)
+ *   Q8_0 weight block:  w_i = d * q_i            (q_i in -127..127, d float16)
+ *   activation block:   x_i ~ e * p_i            (p_i in -32767..32767, e = max |x_i| / 32767)
+ *
+ * 16 bits, not llama.cpp's 8: an activation keeps about 4.5 more significant bits than bfloat16
+ * (an element at 1/128 of its block's largest keeps bfloat16's 8), so the product is as close to
+ * float32's as the weights allow, and a decode step takes the same numbers as a many-row GEMM over
+ * the dequantized weights (kernels.cpu_quant). The widening costs a few instructions per block; a
+ * decode step's rows are bound by reading the weights.
+ *
+ *   sum_i w_i x_i ~ d e sum_i q_i p_i + m e sum_i p_i   (Q4_1)
+ *
+ * Threads: OpenMP over output features, in the process's one OpenMP runtime (torch's libgomp,
+ * which this library's libgomp.so.1 resolves to once torch is loaded). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define QMAX 32767.0f /* activations: 16-bit codes per block of 32 */
+
+/* Row layouts (one row per output feature, nb = in_features / 32 blocks):
+ *   Q4_1: d [nb] float16 | m [nb] float16 | codes [nb][16] bytes (byte j: code j low nibble, code j + 16 high)
+ *   Q8_0: d [nb] float16 | codes [nb][32] int8
+ * (20 and 34 bytes per block, GGUF's sizes.) The scales come apart from the codes so that they convert
+ * 8 at a time, and first, so that a row is read front to back (the hardware prefetcher's pattern). */
+
+int pd_native_abi(void) { return 4; }
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* Activations rounded to 16 bits: p [m][nb][32] int16, e [m][nb] scales, s [m][nb] = e * sum(p). */
+typedef struct {
+    int16_t *p;
+    float *e, *s;
+    void *mem;
+} act16;
+
+static int quantize_x(const float *x, int64_t m, int64_t k, act16 *a) {
+    const int64_t nb = k / QK;
+    a->mem = malloc((size_t)(m * nb) * (QK * sizeof(int16_t) + 2 * sizeof(float)) + 64);
+    if (a->mem == NULL) return -2;
+    a->p = (int16_t *)a->mem;
+    a->e = (float *)(a->p + m * nb * QK);
+    a->s = a->e + m * nb;
+    for (int64_t rb = 0; rb < m * nb; rb++) {
+        const float *src = x + rb * QK; /* rows are contiguous: block rb of the flattened rows */
+        __m256 v[4], amax = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(src + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_max_ss(t, _mm_movehdup_ps(t));
+        const float mx = _mm_cvtss_f32(t);
+        const __m256 inv = _mm256_set1_ps(mx > 0.0f ? QMAX / mx : 0.0f);
+        __m256i q[4];
+        for (int j = 0; j < 4; j++)
+            q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        /* int32 -> int16 in element order (packs works within 128-bit lanes; put the quarters back) */
+        for (int j = 0; j < 2; j++)
+            _mm256_storeu_si256((__m256i *)(a->p + rb * QK + 16 * j),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * j], q[2 * j + 1]), 0xD8));
+        a->e[rb] = mx / QMAX;
+        a->s[rb] = a->e[rb] * (float)_mm_cvtsi128_si32(s4);
+    }
+    return 0;
+}
+
+/* out[b] = float(h[b]) * e[b] for b < nb. */
+static inline void scale_by(const uint16_t *h, const float *e, int64_t nb, float *out) {
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8)
+        _mm256_storeu_ps(out + b, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + b))), _mm256_loadu_ps(e + b)));
+    for (; b < nb; b++) out[b] = _cvtsh_ss(h[b]) * e[b];
+}
+
+/* sum_b float(h[b]) * s[b]. */
+static inline float dot_h(const uint16_t *h, const float *s, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + b))), _mm256_loadu_ps(s + b), acc);
+    float tail = 0.0f;
+    for (; b < nb; b++) tail += _cvtsh_ss(h[b]) * s[b];
+    return hsum8(acc) + tail;
+}
+
+/* A Q4_1 block's 32 codes as int16 0..15, in element order: elements 0..15 (low nibbles), 16..31 (high). */
+static inline void q4_codes(const uint8_t *qs, __m256i *lo, __m256i *hi) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0F);
+    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+}
+
+/* A Q8_0 block's 32 codes as int16, in element order. */
+static inline void q8_codes(const int8_t *qs, __m256i *lo, __m256i *hi) {
+    *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
+    *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+}
+
+/* sum over a block of code * p (int16 * int16, exact in int32), as 8 float lanes (exact: |sum| < 2^24). */
+static inline __m256 dot16(__m256i lo, __m256i hi, const int16_t *p) {
+    const __m256i a = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)p));
+    const __m256i b = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(p + 16)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
+}
+
+#define ROWS 4 /* activation rows per pass over a weight row */
+
+/* One Q4_1 weight row against nr activation rows (of the nb blocks at p, scales de). Every row sums
+ * in the same order whatever nr is (even blocks, odd blocks, then the minimums), so a request's
+ * numbers do not depend on the batch it shares a step with. */
+static inline __attribute__((always_inline)) void q4_rows(const uint8_t *qs, const uint16_t *mn, int64_t nb,
+                                                          const int16_t *p, const float *s, float de[][nb],
+                                                          const int nr, float *y, int64_t ystride) {
+    __m256 acc0[ROWS], acc1[ROWS];
+    for (int r = 0; r < nr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) { /* two chains: one would wait on each FMA's latency */
+        __m256i l0, h0, l1, h1;
+        q4_codes(qs + 16 * b, &l0, &h0);
+        q4_codes(qs + 16 * (b + 1), &l1, &h1);
+        for (int r = 0; r < nr; r++) {
+            const int16_t *pr = p + (r * nb + b) * QK;
+            acc0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b]), dot16(l0, h0, pr), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b + 1]), dot16(l1, h1, pr + QK), acc1[r]);
+        }
+    }
+    if (b < nb) {
+        __m256i l0, h0;
+        q4_codes(qs + 16 * b, &l0, &h0);
+        for (int r = 0; r < nr; r++)
+            acc0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b]), dot16(l0, h0, p + (r * nb + b) * QK), acc0[r]);
+    }
+    for (int r = 0; r < nr; r++) y[r * ystride] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + dot_h(mn, s + r * nb, nb);
+}
+
+/* y [m, n] = x [m, k] @ W^T for W [n, k] in Q4_1 rows. */
+int pd_q4_1_matmul(const void *weight, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
+    if (k % QK != 0 || n <= 0 || m <= 0) return -1;
+    const int64_t nb = k / QK, row_bytes = nb * 20;
+    act16 a;
+    if (quantize_x(x, m, k, &a) != 0) return -2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *d = (const uint16_t *)((const uint8_t *)weight + i * row_bytes), *mn = d + nb;
+        const uint8_t *qs = (const uint8_t *)(mn + nb);
+        float de[ROWS][nb];
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            const int nr = (int)(m - r0 < ROWS ? m - r0 : ROWS);
+            for (int r = 0; r < nr; r++) scale_by(d, a.e + (r0 + r) * nb, nb, de[r]);
+            const int16_t *p = a.p + r0 * nb * QK;
+            const float *s = a.s + r0 * nb;
+            float *out = y + r0 * n + i;
+            switch (nr) { /* constant row counts, so each loop unrolls into registers */
+            case 1: q4_rows(qs, mn, nb, p, s, de, 1, out, n); break;
+            case 2: q4_rows(qs, mn, nb, p, s, de, 2, out, n); break;
+            case 3: q4_rows(qs, mn, nb, p, s, de, 3, out, n); break;
+            default: q4_rows(qs, mn, nb, p, s, de, ROWS, out, n); break;
+            }
+        }
+    }
+    free(a.mem);
+    return 0;
+}
+
+/* One Q8_0 weight row against nr activation rows; the same order of sums whatever nr is. */
+static inline __attribute__((always_inline)) void q8_rows(const int8_t *qs, int64_t nb, const int16_t *p,
+                                                          float de[][nb], const int nr, float *y, int64_t ystride) {
+    __m256 acc0[ROWS], acc1[ROWS];
+    for (int r = 0; r < nr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        __m256i l0, h0, l1, h1;
+        q8_codes(qs + QK * b, &l0, &h0);
+        q8_codes(qs + QK * (b + 1), &l1, &h1);
+        for (int r = 0; r < nr; r++) {
+            const int16_t *pr = p + (r * nb + b) * QK;
+            acc0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b]), dot16(l0, h0, pr), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b + 1]), dot16(l1, h1, pr + QK), acc1[r]);
+        }
+    }
+    if (b < nb) {
+        __m256i l0, h0;
+        q8_codes(qs + QK * b, &l0, &h0);
+        for (int r = 0; r < nr; r++)
+            acc0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b]), dot16(l0, h0, p + (r * nb + b) * QK), acc0[r]);
+    }
+    for (int r = 0; r < nr; r++) y[r * ystride] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+/* y [m, n] = x [m, k] @ W^T for W [n, k] in Q8_0 rows. */
+int pd_q8_0_matmul(const void *weight, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
+    if (k % QK != 0 || n <= 0 || m <= 0) return -1;
+    const int64_t nb = k / QK, row_bytes = nb * 34;
+    act16 a;
+    if (quantize_x(x, m, k, &a) != 0) return -2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *d = (const uint16_t *)((const uint8_t *)weight + i * row_bytes);
+        const int8_t *qs = (const int8_t *)(d + nb);
+        float de[ROWS][nb];
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            const int nr = (int)(m - r0 < ROWS ? m - r0 : ROWS);
+            for (int r = 0; r < nr; r++) scale_by(d, a.e + (r0 + r) * nb, nb, de[r]);
+            const int16_t *p = a.p + r0 * nb * QK;
+            float *out = y + r0 * n + i;
+            switch (nr) {
+            case 1: q8_rows(qs, nb, p, de, 1, out, n); break;
+            case 2: q8_rows(qs, nb, p, de, 2, out, n); break;
+            case 3: q8_rows(qs, nb, p, de, 3, out, n); break;
+            default: q8_rows(qs, nb, p, de, ROWS, out, n); break;
+            }
+        }
+    }
+    free(a.mem);
+    return 0;
+}

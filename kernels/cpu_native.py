@@ -1,0 +1,215 @@
+"""The native CPU matmuls of ``cpu_native.c``: GGUF's Q4_1 and Q8_0 blocks times float32
+activations rounded to 16 bits per block of 32, as integer dot products on AVX2 (llama.cpp's way
+on such a core, with 16-bit activations where it takes 8: see the C file's header).
+
+The C file is compiled once per source version with the system C compiler (``$CC``, else ``cc``)
+into the user's cache directory and loaded with ctypes, so it needs no torch headers and builds in
+about a second. Where it cannot run (not x86-64, no AVX2/FMA/F16C, no compiler, a failed build, or
+``PD_CPU_NATIVE=0``), ``status()`` says why and the callers keep torch's kernels: nothing here is
+required.
+
+Layouts: one row per output feature, of ``nb = in_features / 32`` blocks, GGUF's bytes per block
+with the scales apart from the codes (so the kernel converts them 8 at a time):
+- Q4_1 (20 bytes a block): ``d [nb]`` and ``m [nb]`` float16, then codes ``[nb, 16]`` (byte ``j``:
+  code ``j`` in the low nibble, ``j + 16`` in the high); ``w = d * q + m``, ``q`` in 0..15.
+- Q8_0 (34 bytes a block): ``d [nb]`` float16, then codes ``[nb, 32]`` int8 in -127..127; ``w = d * q``.
+The scales lead each row so that it is read front to back.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+QK = 32
+QMAX = 32767.0  # activations: 16-bit codes per block of 32
+_ABI = 4
+_SOURCE = Path(__file__).with_name("cpu_native.c")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+class NativeUnavailable(RuntimeError):
+    """The native CPU kernels cannot run here (the message says why)."""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("PD_CPU_NATIVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pd-cluster")
+    return Path(base)
+
+
+def _build(source: bytes) -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise NativeUnavailable("no C compiler (set CC, or install gcc)")
+    digest = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    target = cache / f"cpu_native-{digest}.so"
+    if target.exists():
+        return target
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        cache = Path(tempfile.gettempdir()) / "pd-cluster"
+        cache.mkdir(parents=True, exist_ok=True)
+        target = cache / target.name
+    # Build beside the target and rename: replicas starting at once never load a half-written file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *_FLAGS, "-o", partial, str(_SOURCE)], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise NativeUnavailable(f"{compiler} failed to build cpu_native.c: {done.stderr.strip()[-400:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    if os.environ.get("PD_CPU_NATIVE", "1") == "0":
+        raise NativeUnavailable("turned off (PD_CPU_NATIVE=0)")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise NativeUnavailable(f"the native kernels are written for x86-64 AVX2; this CPU is {platform.machine()}")
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        raise NativeUnavailable(f"this CPU lacks {', '.join(sorted(missing))}")
+    lib = ctypes.CDLL(str(_build(_SOURCE.read_bytes())))
+    if lib.pd_native_abi() != _ABI:
+        raise NativeUnavailable("the built library does not match this module (ABI)")
+    for name in ("pd_q4_1_matmul", "pd_q8_0_matmul"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def status() -> tuple[bool, str]:
+    """(available, why): whether the native kernels run here, and the reason (for logs and
+    ``/v1/backends``)."""
+    try:
+        _library()
+    except (NativeUnavailable, OSError, subprocess.SubprocessError) as exc:
+        return False, str(exc)
+    return True, "built with the system C compiler (AVX2, FMA, F16C; OpenMP)"
+
+
+def available() -> bool:
+    return status()[0]
+
+
+@dataclass(frozen=True)
+class NativeBlocks:
+    """A weight ``[out_features, in_features]`` in GGUF blocks (``fmt``: ``"q4_1"`` or ``"q8_0"``)."""
+    data: torch.Tensor  # uint8 [out_features, in_features / 32 * block bytes]
+    fmt: str
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def pack_q4_1(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> NativeBlocks:
+    """``codes [N, K]`` in 0..15, ``scale``/``minimum [N, K / 32]`` (rounded to float16, GGUF's
+    own precision) as Q4_1 rows."""
+    n, k = codes.shape
+    if k % QK or scale.shape != (n, k // QK) or minimum.shape != scale.shape:
+        raise ValueError(f"a [{n}, {k}] Q4_1 weight needs K a multiple of {QK} and [{n}, {k // QK}] scales")
+    c = codes.to(torch.uint8).reshape(n, k // QK, QK)
+    qs = (c[..., : QK // 2] | (c[..., QK // 2:] << 4)).reshape(n, -1)  # [N, nb * 16]
+    d = scale.to(torch.float16).contiguous().view(torch.uint8)        # [N, nb * 2]
+    m = minimum.to(torch.float16).contiguous().view(torch.uint8)
+    return NativeBlocks(torch.cat([d, m, qs], dim=1).contiguous(), "q4_1", n, k)
+
+
+def pack_q8_0(weight: torch.Tensor) -> NativeBlocks:
+    """``weight [N, K]`` as Q8_0 rows: per 32 a float16 scale ``max |w| / 127`` and codes
+    ``round(w / d)``. A weight that came from Q8_0 blocks comes back exactly."""
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"a [{n}, {k}] Q8_0 weight needs K a multiple of {QK}")
+    w = weight.float().reshape(n, k // QK, QK)
+    d = (w.abs().amax(-1) / 127).to(torch.float16)
+    d32 = d.float()[..., None]
+    codes = torch.where(d32 > 0, w / d32.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(w))
+    codes = codes.round().clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return NativeBlocks(torch.cat([d.contiguous().view(torch.uint8), codes.view(torch.uint8)], dim=1).contiguous(),
+                        "q8_0", n, k)
+
+
+def dequantize(weight: NativeBlocks) -> torch.Tensor:
+    """The float32 weight the rows hold."""
+    n, k = weight.out_features, weight.in_features
+    nb = k // QK
+    if weight.fmt == "q4_1":
+        d = weight.data[:, : nb * 2].contiguous().view(torch.float16).float()
+        m = weight.data[:, nb * 2: nb * 4].contiguous().view(torch.float16).float()
+        qs = weight.data[:, nb * 4:].reshape(n, nb, 16)
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+        return (codes * d[..., None] + m[..., None]).reshape(n, k)
+    d = weight.data[:, : nb * 2].contiguous().view(torch.float16).float()
+    codes = weight.data[:, nb * 2:].contiguous().view(torch.int8).float().reshape(n, nb, QK)
+    return (codes * d[..., None]).reshape(n, k)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` as the kernels round it: per block of 32, ``e * round(x / e)`` with
+    ``e = max |x| / 32767`` (float32). A many-row GEMM over the dequantized weight fed these takes
+    the kernels' numbers up to the order of its sums."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // QK, QK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, QMAX / amax.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(amax))
+    return ((blocks * inv).round() * (amax / QMAX)).reshape(m, k)
+
+
+def matmul_ref(x: torch.Tensor, weight: NativeBlocks) -> torch.Tensor:
+    """What ``matmul`` computes, in float64 from the same rounded activations (for tests)."""
+    return (round_activations(x).double() @ dequantize(weight).double().t()).float()
+
+
+def matmul(x: torch.Tensor, weight: NativeBlocks) -> torch.Tensor:
+    """``x [M, K]`` (float32) times ``weight``'s transpose -> ``[M, N]`` float32."""
+    lib = _library()
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"x must be [M, {weight.in_features}], got {tuple(x.shape)}")
+    x = x.detach().to(torch.float32).contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, weight.out_features, dtype=torch.float32)
+    if m == 0:
+        return y
+    fn = lib.pd_q4_1_matmul if weight.fmt == "q4_1" else lib.pd_q8_0_matmul
+    rc = fn(weight.data.data_ptr(), weight.out_features, weight.in_features, x.data_ptr(), m, y.data_ptr(),
+            torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"{fn.__name__} failed ({rc})")
+    return y

@@ -1,0 +1,179 @@
+"""The native CPU kernels (kernels/cpu_native.c): GGUF's Q4_1 and Q8_0 blocks times float32
+activations, against their float64 reference; a row's result independent of the rows beside it;
+the blocks packed and read back exactly (a Q8_0 file's embedding included); the many-row GEMM
+beside them computing the same numbers; and every way they can be unavailable said plainly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_native
+from kernels.cpu_quant import linear_q8, pack_q4, pack_q8_rows, q4_matmul
+
+native = pytest.mark.skipif(not cpu_native.available(), reason=f"native CPU kernels: {cpu_native.status()[1]}")
+
+
+def _q4(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+    minimum = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    return codes, scale, minimum
+
+
+def test_q4_1_blocks_keep_the_codes_scales_and_minimums_exactly():
+    codes, scale, minimum = _q4(16, 96)
+    blocks = cpu_native.pack_q4_1(codes, scale, minimum)
+    assert blocks.data.dtype == torch.uint8 and blocks.nbytes == 16 * 3 * 20  # GGUF's 20 bytes a block
+    want = (codes.float().reshape(16, 3, 32) * scale[..., None] + minimum[..., None]).reshape(16, 96)
+    assert torch.equal(cpu_native.dequantize(blocks), want)
+
+
+def test_q8_0_blocks_of_a_q8_0_weight_come_back_exactly():
+    g = torch.Generator().manual_seed(1)
+    d = (torch.rand(8, 4, generator=g) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (8, 4, 32), generator=g).float()
+    q[:, :, 0] = 127  # Q8_0: each block's largest code is +-127
+    weight = (q * d[..., None]).reshape(8, 128)
+    blocks = cpu_native.pack_q8_0(weight)
+    assert blocks.nbytes == 8 * 4 * 34
+    assert torch.equal(cpu_native.dequantize(blocks), weight)
+
+
+def test_the_embedded_defaults_q8_0_embedding_is_kept_exactly():
+    from cluster.models.gguf import read_gguf
+    from cluster.models.registry import resolve_model_path
+    checkpoint = read_gguf(resolve_model_path("smollm2"))
+    embed = next(w for name, w in checkpoint.tensors() if name == "model.embed_tokens.weight")
+    assert checkpoint.tensor_types()["model.embed_tokens.weight"] == "Q8_0"
+    assert torch.equal(cpu_native.dequantize(cpu_native.pack_q8_0(embed)), embed)
+
+
+def test_activations_round_to_16_bits_per_block():
+    x = torch.randn(3, 64)
+    x[1, :32] = 0  # an all-zero block stays zero (no division by zero)
+    got = cpu_native.round_activations(x)
+    assert torch.equal(got[1, :32], torch.zeros(32))
+    step = x.reshape(3, 2, 32).abs().amax(-1, keepdim=True) / 32767
+    assert ((got - x).reshape(3, 2, 32).abs() <= step * 0.5 * 1.0001).all()
+
+
+@native
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("k", [32, 96, 576])  # 1 block, an odd count (the unrolled loop's tail), SmolLM2's
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])  # each row count's unrolled path and the passes of 4
+def test_the_kernels_equal_their_reference(fmt, k, rows):
+    n = 48
+    if fmt == "q4_1":
+        blocks = cpu_native.pack_q4_1(*_q4(n, k, seed=k))
+    else:
+        blocks = cpu_native.pack_q8_0(torch.randn(n, k) * 0.05)
+    x = torch.randn(rows, k) * 3
+    got = cpu_native.matmul(x, blocks)
+    ref = cpu_native.matmul_ref(x, blocks)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # and close to the float32 product itself: 16-bit activations, exact weights
+    exact = x @ cpu_native.dequantize(blocks).t()
+    assert (got - exact).abs().max() <= 2e-4 * exact.abs().max()
+
+
+@native
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
+    """Bit for bit: a request's numbers are the same alone and in any batch."""
+    k, n = 576, 64
+    blocks = cpu_native.pack_q4_1(*_q4(n, k)) if fmt == "q4_1" else cpu_native.pack_q8_0(torch.randn(n, k))
+    x = torch.randn(7, k)
+    together = cpu_native.matmul(x, blocks)
+    for i in range(7):
+        assert torch.equal(cpu_native.matmul(x[i:i + 1], blocks)[0], together[i])
+    assert torch.equal(cpu_native.matmul(x[2:5], blocks), together[2:5])
+
+
+@native
+def test_the_kernel_splits_work_over_threads_without_changing_a_number():
+    blocks = cpu_native.pack_q4_1(*_q4(96, 192))
+    x = torch.randn(5, 192)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_native.matmul(x, blocks)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(cpu_native.matmul(x, blocks), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@native
+def test_weights_with_their_blocks_take_the_native_kernel_for_few_rows_and_its_numbers_for_many():
+    codes, scale, minimum = _q4(64, 96)
+    weight = pack_q4(codes, scale, minimum, dense=True, native=True)
+    assert weight.native is not None and weight.dense is not None and weight.dense.dtype == torch.float32
+    assert torch.equal(weight.dense, cpu_native.dequantize(weight.native))  # exact float32, not bfloat16
+    assert weight.nbytes == weight.native.nbytes
+    few = torch.randn(3, 96)
+    assert torch.equal(q4_matmul(few, weight), cpu_native.matmul(few, weight.native))
+    # the dense GEMM (many rows) sums the same rounded products in another order
+    forced = q4_matmul(few, weight, dense=True)
+    assert (forced - q4_matmul(few, weight)).abs().max() <= 1e-6 * forced.abs().max()
+    w8 = torch.randn(64, 96) * 0.05
+    q8 = pack_q8_rows(w8, dense=True, native=True)
+    assert q8.native is not None and torch.equal(linear_q8(few, q8), cpu_native.matmul(few, q8.native))
+    many = torch.randn(40, 96)
+    assert (linear_q8(many, q8) - cpu_native.matmul(many, q8.native)).abs().max() <= 1e-5 * linear_q8(many, q8).abs().max()
+
+
+@native
+def test_bad_shapes_are_refused():
+    blocks = cpu_native.pack_q4_1(*_q4(16, 64))
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
+        cpu_native.matmul(torch.randn(2, 32), blocks)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_native.pack_q8_0(torch.randn(4, 40))
+    assert cpu_native.matmul(torch.randn(0, 64), blocks).shape == (0, 16)
+
+
+@pytest.fixture
+def fresh_status(monkeypatch, tmp_path):
+    """``status()`` recomputed under the test's environment (a build in an empty cache), then
+    restored to this machine's."""
+    monkeypatch.setenv("PD_CPU_NATIVE_CACHE", str(tmp_path))
+    cpu_native._library.cache_clear()
+    cpu_native.status.cache_clear()
+    yield
+    monkeypatch.undo()
+    cpu_native._library.cache_clear()
+    cpu_native.status.cache_clear()
+
+
+def test_turned_off_by_the_environment_it_says_so(fresh_status, monkeypatch):
+    monkeypatch.setenv("PD_CPU_NATIVE", "0")
+    assert cpu_native.status() == (False, "turned off (PD_CPU_NATIVE=0)")
+    with pytest.raises(cpu_native.NativeUnavailable, match="PD_CPU_NATIVE=0"):
+        cpu_native.matmul(torch.randn(1, 32), cpu_native.pack_q8_0(torch.randn(16, 32)))
+
+
+def test_a_compiler_that_fails_is_said_not_hidden(fresh_status, monkeypatch):
+    if not {"avx2", "fma", "f16c"} <= cpu_native._cpu_flags():
+        pytest.skip("this CPU cannot run the native kernels whatever the compiler")
+    monkeypatch.setenv("CC", "false")
+    ok, why = cpu_native.status()
+    assert not ok and why.startswith("false failed to build cpu_native.c")
+
+
+def test_a_cpu_without_avx2_is_said(fresh_status, monkeypatch):
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: {"sse4_2"})
+    monkeypatch.setattr(cpu_native.platform, "machine", lambda: "x86_64")
+    assert cpu_native.status() == (False, "this CPU lacks avx2, f16c, fma")
+
+
+@native
+def test_the_build_is_cached_and_reused(fresh_status, tmp_path):
+    assert cpu_native.status()[0]
+    built = list(tmp_path.glob("cpu_native-*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("tmp*"))  # no half-written file left behind
+    cpu_native._library.cache_clear()
+    cpu_native.status.cache_clear()
+    stamp = built[0].stat().st_mtime_ns
+    assert cpu_native.status()[0] and built[0].stat().st_mtime_ns == stamp
