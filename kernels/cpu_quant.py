@@ -58,6 +58,11 @@ DENSE_LOGITS_FROM_ROWS = 8
 #: a tie with the int4 kernel at about 14 rows, the int8 logits kernel's at about 28).
 FLOAT32_DENSE_FROM_ROWS = 16
 FLOAT32_DENSE_LOGITS_FROM_ROWS = 32
+#: The same against the native kernels (cpu-linear-2026-12-05-avx2-native.json, an AVX2 core: the
+#: native Q4_1 kernel is ahead of the float32 GEMM up to 32 rows and behind at 64 for gate_up
+#: [3072, 576]; the native Q8_0 logits stay ahead at 64 rows, 1.3x).
+NATIVE_DENSE_FROM_ROWS = 48
+NATIVE_DENSE_LOGITS_FROM_ROWS = 96
 
 
 def native_bfloat16_gemm() -> bool:
@@ -72,13 +77,18 @@ def dense_dtype() -> torch.dtype:
     return torch.bfloat16 if native_bfloat16_gemm() else torch.float32
 
 
-def dense_from_rows() -> int:
-    """Rows of activations from which a projection takes its ``dense`` copy (its dtype's crossover)."""
+def dense_from_rows(native: bool = False) -> int:
+    """Rows of activations from which a projection takes its ``dense`` copy (its dtype's crossover,
+    or the native kernel's where the weight keeps its blocks)."""
+    if native:
+        return NATIVE_DENSE_FROM_ROWS
     return DENSE_FROM_ROWS if dense_dtype() is torch.bfloat16 else FLOAT32_DENSE_FROM_ROWS
 
 
-def dense_logits_from_rows() -> int:
-    """Rows from which the int8 logits projection takes its ``dense`` copy."""
+def dense_logits_from_rows(native: bool = False) -> int:
+    """Rows from which the logits projection takes its ``dense`` copy."""
+    if native:
+        return NATIVE_DENSE_LOGITS_FROM_ROWS
     return DENSE_LOGITS_FROM_ROWS if dense_dtype() is torch.bfloat16 else FLOAT32_DENSE_LOGITS_FROM_ROWS
 
 
@@ -178,8 +188,9 @@ def q4_matmul(x: torch.Tensor, weight: Q4Weight, dense: bool | None = None) -> t
     over ``weight.dense`` when it exists and ``dense`` says so (None: from ``dense_from_rows()`` rows
     on), else the native Q4_1 kernel where the weight keeps its blocks (float32 out), else torch's
     int4 kernel (bfloat16 out, its own dtype)."""
-    if weight.dense is not None and (dense or (dense is None and x.shape[0] >= dense_from_rows())):
-        if weight.native is not None:  # the native kernel's numbers, summed by a float32 GEMM
+    native = weight.native is not None
+    if weight.dense is not None and (dense or (dense is None and x.shape[0] >= dense_from_rows(native))):
+        if native:  # the native kernel's numbers, summed by a float32 GEMM
             return F.linear(cpu_native.round_activations(x), weight.dense)
         return dense_linear(x, weight.dense)
     if weight.native is not None:
@@ -221,7 +232,7 @@ def q8_dequantize_ref(weight: Q8Weight) -> torch.Tensor:
 
 def linear_q8(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     """``x [T, K]`` -> ``[T, N]`` in ``x``'s dtype."""
-    if weight.dense is not None and x.shape[0] >= dense_logits_from_rows():
+    if weight.dense is not None and x.shape[0] >= dense_logits_from_rows(weight.native is not None):
         if weight.native is not None:
             return F.linear(cpu_native.round_activations(x), weight.dense).to(x.dtype)
         return dense_linear(x, weight.dense).to(x.dtype)

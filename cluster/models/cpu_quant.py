@@ -6,10 +6,9 @@ are also repacked for torch's int4 kernel, which takes their place where the nat
 run (no AVX2 or no C compiler: said in the log and the kernel table). The logits projection of a
 tied, already quantized embedding (SmolLM2's Q8_0) becomes Q8_0 blocks for the native kernel
 (exactly the file's) and int8 with one scale per row for torch's. Everything else (embedding lookup, norms, attention, residuals) stays float32.
-A decode step of up to 8 rows then reads about 95 MB of weights for SmolLM2-135M instead of 538;
-from 9 rows on (batched decode, prefill chunks, verify batches) each projection reads its bfloat16
-dequantization instead, kept next to the codes (about 270 MB more memory), whose GEMM costs about
-the same for 32 rows as for 4 where the 4-bit kernels grow with every row.
+A decode step of a few rows then reads about 95 MB of weights for SmolLM2-135M instead of 538;
+from ``dense_from_rows()`` rows on (large batches, prefill chunks) each projection reads its
+dequantization instead, kept next to the codes, whose GEMM grows more slowly with the rows.
 
 Selected by ``dtype=None`` (the default) on a CPU; ``dtype="float32"`` keeps the exact float32
 path (the one compared with transformers). GPUs never take it."""
@@ -74,17 +73,21 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
         packed += 1
         q4_bytes += weight.nbytes
         dense_bytes += weight.dense.numel() * weight.dense.element_size() if weight.dense is not None else 0
-    few = (f"the native Q4_1 kernel over the file's blocks ({q4_bytes / 2**20:.0f} MiB; float16 scales and "
-           f"minimums as stored, activations rounded to 8 bits per block of 32, AVX2 integer dot products)"
-           if native else
-           f"torch's int4 kernel ({q4_bytes / 2**20:.0f} MiB; scales and zeros in bfloat16, activations rounded to "
-           f"bfloat16; fell back from the native kernel: {native_why})")
+    if native:
+        few = (f"the native Q4_1 kernel over the file's blocks ({q4_bytes / 2**20:.0f} MiB; float16 scales and "
+               f"minimums as stored, activations rounded to 16 bits per block of 32, AVX2 integer dot products)")
+        many = (f"from {dense_from_rows(True)} rows of activations on, a float32 GEMM over the blocks' exact "
+                f"dequantization ({dense_bytes / 2**20:.0f} MiB) fed the same rounded activations: the native "
+                f"kernel's numbers in another order of sums")
+    else:
+        few = (f"torch's int4 kernel ({q4_bytes / 2**20:.0f} MiB; scales and zeros in bfloat16, activations rounded "
+               f"to bfloat16; fell back from the native kernel: {native_why})")
+        many = (f"from {dense_from_rows()} rows of activations on, their bfloat16 dequantization as {_dense_name()} "
+                f"({dense_bytes / 2**20:.0f} MiB, a GEMM that costs about the same for 4 rows as for 32"
+                f"{_dense_why()})")
     rows = [{"component": "linear", "op": "linear", "format": "gguf_q4_1",
              "impl": "native_q4_1_cpu" if native else "torch_int4pack_cpu", "device": "cpu", "role": "main",
-             "reason": f"{packed} projections keep the file's 4-bit codes: {few}; from "
-                       f"{dense_from_rows()} rows of activations on, their bfloat16 dequantization as "
-                       f"{_dense_name()} ({dense_bytes / 2**20:.0f} MiB, a GEMM that costs about the same for 4 "
-                       f"rows as for 32{_dense_why()})"
+             "reason": f"{packed} projections keep the file's 4-bit codes: {few}; {many}"
                        + (f"; {kept} stay float32 (shapes the kernel does not take)" if kept else "")}]
     embed_type = checkpoint.tensor_types().get("model.embed_tokens.weight", "F32")
     if getattr(net, "lm_head", None) is None and embed_type in _QUANTIZED_TYPES and hasattr(net, "quantize_logits"):
@@ -94,16 +97,17 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
             net.quantize_logits(q8)
             if q8.native is not None:
                 impl, fmt = "native_q8_0_cpu", f"gguf_{embed_type.lower()}->q8_0"
-                few = (f"the tied {embed_type} embedding as Q8_0 blocks ({q8.nbytes / 2**20:.0f} MiB; a Q8_0 "
-                       f"file's exactly), the native kernel")
+                reason = (f"the tied {embed_type} embedding as Q8_0 blocks ({q8.nbytes / 2**20:.0f} MiB; a Q8_0 "
+                          f"file's exactly), the native kernel; from {dense_logits_from_rows(True)} rows on, a "
+                          f"float32 GEMM over their exact dequantization")
             else:
                 impl, fmt = "torch_int8pack_cpu", f"gguf_{embed_type.lower()}->int8_row"
-                few = (f"the tied {embed_type} embedding as int8 with one scale per row ({q8.nbytes / 2**20:.0f} MiB)"
-                       + ("" if native else f"; fell back from the native kernel: {native_why}"))
+                reason = (f"the tied {embed_type} embedding as int8 with one scale per row ({q8.nbytes / 2**20:.0f} "
+                          f"MiB)" + ("" if native else f"; fell back from the native kernel: {native_why}")
+                          + f"; from {dense_logits_from_rows()} rows on, its bfloat16 dequantization as "
+                          f"{_dense_name()}{_dense_why()}")
             rows.append({"component": "logits", "op": "linear", "format": fmt, "impl": impl, "device": "cpu",
-                         "role": "main",
-                         "reason": f"{few}; from {dense_logits_from_rows()} rows on, its bfloat16 dequantization "
-                                   f"as {_dense_name()}{_dense_why()}"})
+                         "role": "main", "reason": reason})
     if packed and hasattr(net, "cpu_decode"):
         rows.append(_lean_decode(net))
     logger.info("CPU weights: %s", "; ".join(r["reason"] for r in rows))

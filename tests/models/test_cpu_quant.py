@@ -209,10 +209,11 @@ def test_quantized_batches_equal_single_requests(quantized):
 
 
 def test_a_prompts_answer_does_not_depend_on_its_chunking_or_a_prefix_hit(quantized):
-    """The int4 kernel and the bfloat16 GEMM round differently, and a prompt chunked or partly
-    supplied by the prefix cache has chunks of every size: prompt rows take the GEMM whatever
-    their count (decode steps the kernel their rows suit), so the README's question gets one
-    answer however its prompt was computed."""
+    """The few-row kernel and the dense GEMM round differently (the native kernel and the float32
+    GEMM only in their order of sums), and a prompt chunked or partly supplied by the prefix cache
+    has chunks of every size: prompt rows take the GEMM whatever their count (decode steps the
+    kernel their rows suit), so the README's question gets one answer however its prompt was
+    computed."""
     params = SamplingParams(temperature=0.0, max_tokens=24)
     chat = README_CHATS[0]
     want = quantized.chat(chat, params)[0].outputs[0].token_ids
