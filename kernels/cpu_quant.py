@@ -59,9 +59,9 @@ DENSE_LOGITS_FROM_ROWS = 8
 FLOAT32_DENSE_FROM_ROWS = 16
 FLOAT32_DENSE_LOGITS_FROM_ROWS = 32
 #: The same against the native kernels (cpu-linear-2026-12-05-avx2-native.json, an AVX2 core: the
-#: native Q4_1 kernel is ahead of the float32 GEMM up to 32 rows and behind at 64 for gate_up
-#: [3072, 576]; the native Q8_0 logits stay ahead at 64 rows, 1.3x).
-NATIVE_DENSE_FROM_ROWS = 48
+#: native Q4_1 kernel is ahead of the float32 GEMM fed its rounded activations up to 16 rows, level
+#: at 32 and behind at 64; the native Q8_0 logits are 1.2x ahead at 64 rows, 1.1x behind at 128).
+NATIVE_DENSE_FROM_ROWS = 32
 NATIVE_DENSE_LOGITS_FROM_ROWS = 96
 
 

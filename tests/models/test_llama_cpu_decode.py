@@ -94,7 +94,7 @@ def test_random_quantized_models_equal_the_layers_bit_for_bit(tmp_path, family, 
     """Random Llama and Qwen2 (q/k/v biases) with GQA, untied head: batch 1, a batch past the
     dense crossover (its projections take the dense GEMM), long contexts over many blocks."""
     make_checkpoint(str(tmp_path), family)
-    # the crossover brought down to 6 rows (the native kernels' is 48), so a small batch crosses it
+    # the crossover brought down to 6 rows (the native kernels' is 32), so a small batch crosses it
     monkeypatch.setattr(cpu_quant, "NATIVE_DENSE_FROM_ROWS", 6)
     crossover = dense_from_rows(cpu_native.available())
     llm = LLM(str(tmp_path), max_num_seqs=16, block_size=16)
