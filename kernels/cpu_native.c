@@ -34,7 +34,7 @@
  * (20 and 34 bytes per block, GGUF's sizes.) The scales come apart from the codes so that they convert
  * 8 at a time, and first, so that a row is read front to back (the hardware prefetcher's pattern). */
 
-int pd_native_abi(void) { return 4; }
+int pd_native_abi(void) { return 5; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -236,5 +236,41 @@ int pd_q8_0_matmul(const void *weight, int64_t n, int64_t k, const float *x, int
         }
     }
     free(a.mem);
+    return 0;
+}
+
+/* RMS norm of rows [rows, dim] (float32), after adding a residual when one is given:
+ *   h = x + residual (stored to h_out),  out = w * (h * (1 / sqrt(mean(h^2) + eps))).
+ * Each row sums its squares in one fixed order (8 lanes, then the lanes), whatever the rows. */
+int pd_rms_norm(const float *x, const float *residual, const float *w, int64_t rows, int64_t dim, float eps,
+                float *out, float *h_out) {
+    if (rows < 0 || dim <= 0) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        const float *h = xr;
+        if (residual != NULL) {
+            float *hr = h_out + r * dim;
+            const float *rr = residual + r * dim;
+            int64_t i = 0;
+            for (; i + 8 <= dim; i += 8) _mm256_storeu_ps(hr + i, _mm256_add_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(rr + i)));
+            for (; i < dim; i++) hr[i] = xr[i] + rr[i];
+            h = hr;
+        }
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            const __m256 v = _mm256_loadu_ps(h + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (; i < dim; i++) ss += h[i] * h[i];
+        const float scale = 1.0f / sqrtf(ss / (float)dim + eps);
+        const __m256 s8 = _mm256_set1_ps(scale);
+        i = 0;
+        for (; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(h + i), s8)));
+        for (; i < dim; i++) o[i] = w[i] * (h[i] * scale);
+    }
     return 0;
 }

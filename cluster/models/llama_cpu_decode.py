@@ -10,9 +10,9 @@ compares them), with about a third of the ops:
 
 - what every layer shares is computed once per step: the rotation's cos/sin in the layout the
   rotation takes, the new tokens' blocks and offsets, the blocks to gather, the padding mask;
-- a norm is ``F.rms_norm`` (one fused op, equal to the reference's), its residual add folded
-  into the promotion of the previous projection's bfloat16 output (converting bfloat16 to
-  float32 is exact, so ``bf16 + f32`` is the reference's ``f32(bf16) + f32``);
+- a norm is the model's own native norm (``kernels.cpu_native.rms_norm``: one call, where the
+  native kernels run), else ``F.rms_norm`` (one fused op, equal to the reference's), its residual
+  add folded into the promotion of the previous projection's bfloat16 output;
 - q's and k's rotation is two multiplies and an add over ``[T, heads, 2, D / 2]`` with the
   halves swapped by one ``flip`` (``x1 c + x2 (-s)`` is ``x1 c - x2 s`` exactly);
 - every layer's K and V cache views are made once per cache.
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.models.context import ForwardContext
+from kernels import cpu_native
 from kernels.attention import block_list, paged_attention_ref, split_slots
 from kernels.cpu_quant import Q4Weight, q4_matmul
 from kernels.norm import rms_norm_ref
@@ -55,7 +56,7 @@ def unsupported_reason(model: Any) -> str | None:
         return "q/k norms (Qwen3)"
     ops = model.ops
     if (ops.attention is not paged_attention_ref or ops.qkv_prepare is not qkv_prepare_ref
-            or ops.rms_norm is not rms_norm_ref):
+            or ops.rms_norm not in (rms_norm_ref, cpu_native.rms_norm)):
         return "attention, q/k preparation or norms run kernels other than the CPU references"
     for layer in model.layers:
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -89,6 +90,9 @@ class LlamaCpuDecode:
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 attn.qkv_proj.quantized, attn.qkv_proj.bias, attn.o_proj.quantized, attn.o_proj.bias,
                 mlp.gate_up_proj.quantized, mlp.gate_up_proj.bias, mlp.down_proj.quantized, mlp.down_proj.bias))
+        #: The model's norms are the native ones (``kernels.cpu_native.rms_norm``, given by
+        #: ``cluster.models.cpu_quant`` with the native kernels): this path takes them too.
+        self.native_norm = model.ops.rms_norm is cpu_native.rms_norm
         self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] | None = None
         #: Decode steps this path computed (the rest went through the layers).
         self.num_steps = 0
@@ -134,9 +138,7 @@ class LlamaCpuDecode:
         x: torch.Tensor = F.embedding(input_ids, model.embed_tokens.weight)  # [B, H] float32
         residual: torch.Tensor | None = None
         for layer, (layer_cache, k_cache, v_cache) in zip(self.layers, views):
-            h = x if residual is None else x + residual  # x: bfloat16 or float32; the sum float32
-            residual = h
-            h = F.rms_norm(h, (self.hidden,), layer.input_norm, self.eps)
+            h, residual = self._norm(x, layer.input_norm, residual)
             qkv = _linear(h, layer.qkv, layer.qkv_bias)  # [B, (Hq + 2 Hkv) D] float32
             qk = qkv[:, :self.qk_size].view(b, hq + hk, 2, d // 2)
             torch.add(qk * cos4, qk.flip(2) * sin4, out=qk)  # rotated in place: q | k | v stays one row
@@ -157,15 +159,27 @@ class LlamaCpuDecode:
             attn = q4_matmul(out.reshape(b, self.q_out), layer.o)  # bfloat16
             if layer.o_bias is not None:
                 attn = attn.float() + layer.o_bias
-            residual = attn + residual  # float32
-            h = F.rms_norm(residual, (self.hidden,), layer.post_norm, self.eps)
+            h, residual = self._norm(attn, layer.post_norm, residual)
             gate_up = _linear(h, layer.gate_up, layer.gate_up_bias)
             act = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
             x = q4_matmul(act, layer.down)
             if layer.down_bias is not None:
                 x = x.float() + layer.down_bias
         assert residual is not None
-        return F.rms_norm(x + residual, (self.hidden,), model.norm.weight, self.eps)
+        return self._norm(x, model.norm.weight, residual)[0]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor,
+              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual) * weight, x + residual)``, as the layers' norm computes it: the
+        native norm where the model's ops take it, else ``F.rms_norm`` (one fused op, equal to the
+        reference's) with the residual add folded into the promotion of a bfloat16 projection
+        output (converting bfloat16 to float32 is exact, so ``bf16 + f32`` is the reference's
+        ``f32(bf16) + f32``)."""
+        if self.native_norm:
+            h, summed = cpu_native.rms_norm(x, weight, self.eps, residual)
+            return h, x if summed is None else summed
+        h = x if residual is None else x + residual
+        return F.rms_norm(h, (self.hidden,), weight, self.eps), h
 
 
 def _linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:

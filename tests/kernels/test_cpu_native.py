@@ -177,3 +177,27 @@ def test_the_build_is_cached_and_reused(fresh_status, tmp_path):
     cpu_native.status.cache_clear()
     stamp = built[0].stat().st_mtime_ns
     assert cpu_native.status()[0] and built[0].stat().st_mtime_ns == stamp
+
+
+@native
+@pytest.mark.parametrize("dim", [576, 100])  # SmolLM2's width; one with a tail past the 8-lane loop
+def test_the_native_rms_norm_keeps_the_references_contract(dim):
+    from kernels.norm import rms_norm_ref
+    x, residual, weight = torch.randn(5, dim), torch.randn(5, dim), torch.randn(dim)
+    got, summed = cpu_native.rms_norm(x, weight, 1e-5, residual)
+    want, want_sum = rms_norm_ref(x, weight, 1e-5, residual)
+    assert torch.equal(summed, want_sum)  # x + residual, one float add
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    alone, none = cpu_native.rms_norm(x, weight, 1e-5)
+    assert none is None
+    torch.testing.assert_close(alone, rms_norm_ref(x, weight, 1e-5)[0], rtol=1e-6, atol=1e-6)
+    for i in range(5):  # a row's numbers do not depend on the rows beside it
+        assert torch.equal(cpu_native.rms_norm(x[i:i + 1], weight, 1e-5, residual[i:i + 1])[0], got[i:i + 1])
+    heads = torch.randn(3, 4, dim)  # any leading shape (Qwen3's q/k norms are per head)
+    torch.testing.assert_close(cpu_native.rms_norm(heads, weight, 1e-5)[0], rms_norm_ref(heads, weight, 1e-5)[0],
+                               rtol=1e-6, atol=1e-6)
+    # bfloat16 takes the reference
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(cpu_native.rms_norm(xb, weight, 1e-5)[0], rms_norm_ref(xb, weight, 1e-5)[0])
+    with pytest.raises(ValueError, match=f"weight must be \\[{dim}\\]"):
+        cpu_native.rms_norm(x, torch.randn(dim + 1), 1e-5)

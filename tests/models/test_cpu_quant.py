@@ -164,6 +164,10 @@ def test_default_cpu_engine_keeps_the_4_bit_weights_and_says_so(quantized, exact
     assert any(row["impl"] == ("native_q4_1_cpu" if native else "torch_int4pack_cpu") for row in model.kernel_choices())
     assert (layer.mlp.gate_up_proj.quantized.native is not None) == native
     assert (model.quantized_logits.native is not None) == native
+    norms = [row for row in model.kernel_choices() if row["component"] == "rms_norm"]
+    assert len(norms) == 1 and norms[0]["impl"] == ("native_cpu" if native else "torch")
+    assert (layer.input_layernorm.ops.rms_norm is cpu_native.rms_norm) == native
+    assert (model.cpu_decode.native_norm) == native  # the lean step takes the layers' norm
     # dtype="float32": the exact path, every weight dequantized
     assert exact.engine.model.layers[0].mlp.gate_up_proj.quantized is None
     assert exact.engine.model.quantized_logits is None
@@ -183,6 +187,7 @@ def test_without_the_native_kernels_the_engine_takes_torchs_and_says_why(monkeyp
     assert "fell back from the native kernel: this CPU lacks avx2" in table["logits"]["reason"]
     assert "native CPU kernels do not run here (this CPU lacks avx2)" in caplog.text
     assert llm.engine.model.layers[0].mlp.gate_up_proj.quantized.native is None
+    assert table["rms_norm"]["impl"] == "torch" and not llm.engine.model.cpu_decode.native_norm
     params = SamplingParams(temperature=0.0, max_tokens=16)
     assert len(llm.chat(README_CHATS[0], params)[0].outputs[0].token_ids) > 3
 
