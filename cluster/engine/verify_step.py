@@ -199,8 +199,21 @@ class VerifyGraphs:
         dev = self.decode.device
         gen = torch.Generator(device=dev).manual_seed(0)
         self.inputs.copy_(torch.randint(0, self.vocab_size, self.inputs.shape, generator=gen, device=dev))
-        self.base.copy_(torch.randint(0, 64, self.base.shape, generator=gen, device=dev))
         self.live.zero_()
+        # One KV group (the Llama family): no request live, nothing written, every row reads the
+        # null block's unchanged bytes. Several (DeepSeek-V4): a step writes its state groups'
+        # checkpoints and its compressed entries whatever the rows' liveness, into the null block
+        # for padding rows, from every row at once (on a GPU, whichever row lands last wins), and
+        # reads them back in the same step; so there each request gets blocks of its own in every
+        # group, live, and those blocks' bytes are put back before each run and after.
+        private = self._private_blocks(size, gen) if len(self.tables) > 1 else None
+        if private is None:
+            self.base.copy_(torch.randint(0, 64, self.base.shape, generator=gen, device=dev))
+
+        def restore() -> None:
+            if private is not None:
+                for cache, before in zip(self.decode.kv_caches, private):
+                    cache[1:1 + before.shape[0]].copy_(before)
         checks = [("greedy", self.forward, self.graphs, self.outputs)]
         if self.sampled:
             # half the rows sampled at random temperatures and noise; coupled next drafts with
@@ -217,8 +230,10 @@ class VerifyGraphs:
             checks.append(("sampled", self.sampled_forward, self.sampled_graphs, self.sampled_outputs))
         try:
             for kind, forward, graphs, outputs in checks:
+                restore()
                 expected = forward(size)
                 want = [expected.targets.clone(), expected.next_inputs.clone(), expected.next_base.clone()]
+                restore()
                 graphs[size].replay()
                 got = outputs[size]
                 agree = [float((g == w).float().mean()) for g, w in zip((got.targets, got.next_inputs, got.next_base),
@@ -234,8 +249,12 @@ class VerifyGraphs:
                     self.sampled_reason = f"batches with sampled requests launch eagerly: {problem}"
                     logger.warning("verify-step CUDA graphs: %s", self.sampled_reason)
         finally:
+            restore()
             self.inputs.zero_()
             self.base.zero_()
+            self.live.zero_()
+            for table in self.tables:
+                table.zero_()
             if self.sampled:
                 self.temperature.zero_()
                 self.noise.fill_(1.0)
@@ -244,6 +263,31 @@ class VerifyGraphs:
                 self.drafts.gumbel.zero_()
                 self.window_rows.zero_()
         return size
+
+    def _private_blocks(self, size: int, gen: torch.Generator) -> list[torch.Tensor]:
+        """For ``verify``: request ``i`` of ``size`` gets blocks ``1 + i B_g .. (i + 1) B_g`` of
+        each group ``g`` (enough for its positions), live, at a random base position; returns the
+        bytes of blocks ``1 ..`` that the step may write, to put back. The base positions reach as
+        far as every group's free blocks and table width allow (up to 64)."""
+        dev = self.decode.device
+        r = self.rows
+        limit = 64
+        for spec, cache, table in zip(self.decode.specs, self.decode.kv_caches, self.tables):
+            per_request = min((int(cache.shape[0]) - 1) // size, table.shape[1])
+            limit = min(limit, per_request * spec.block_size - r + 1)
+        if limit < 1:
+            raise GraphUnsafeError(f"no KV blocks to verify a verify-step graph of batch {size} with (each of its "
+                                   f"requests needs blocks of its own in every group)")
+        self.base[:size].copy_(torch.randint(0, limit, (size,), generator=gen, device=dev))
+        self.live[:size] = True
+        saved = []
+        for spec, cache, table in zip(self.decode.specs, self.decode.kv_caches, self.tables):
+            blocks = (limit - 1 + r + spec.block_size - 1) // spec.block_size
+            table.zero_()
+            own = 1 + torch.arange(size * blocks, device=dev, dtype=table.dtype).view(size, blocks)
+            table[:size, :blocks] = own
+            saved.append(cache[1:1 + size * blocks].clone())
+        return saved
 
     def can_run(self, n: int) -> bool:
         return bool(self.graphs) and 0 < n <= self.max_batch
