@@ -129,19 +129,29 @@ static inline __m256 dot16(__m256i lo, __m256i hi, const int16_t *p) {
 
 #define ROWS 4 /* activation rows per pass over a weight row */
 
-/* One Q4_1 weight row against nr activation rows (of the nb blocks at p, scales de). Every row sums
- * in the same order whatever nr is (even blocks, odd blocks, then the minimums), so a request's
- * numbers do not depend on the batch it shares a step with. */
-static inline __attribute__((always_inline)) void q4_rows(const uint8_t *qs, const uint16_t *mn, int64_t nb,
-                                                          const int16_t *p, const float *s, float de[][nb],
-                                                          const int nr, float *y, int64_t ystride) {
+/* A block's 32 codes as int16 in element order: Q4_1 (q4: 16 bytes a block) or Q8_0 (32). */
+static inline __attribute__((always_inline)) void block_codes(const uint8_t *qs, int64_t b, const int q4,
+                                                              __m256i *lo, __m256i *hi) {
+    if (q4)
+        q4_codes(qs + 16 * b, lo, hi);
+    else
+        q8_codes((const int8_t *)qs + QK * b, lo, hi);
+}
+
+/* One weight row (Q4_1 where q4, else Q8_0) against nr activation rows (of the nb blocks at p,
+ * scales de; Q4_1's minimums mn against the blocks' sums s). Every row sums in the same order
+ * whatever nr is (even blocks, odd blocks, then the minimums), so a request's numbers do not
+ * depend on the batch it shares a step with. */
+static inline __attribute__((always_inline)) void weight_row(const uint8_t *qs, const uint16_t *mn, int64_t nb,
+                                                             const int16_t *p, const float *s, float de[][nb],
+                                                             const int nr, const int q4, float *y, int64_t ystride) {
     __m256 acc0[ROWS], acc1[ROWS];
     for (int r = 0; r < nr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) { /* two chains: one would wait on each FMA's latency */
         __m256i l0, h0, l1, h1;
-        q4_codes(qs + 16 * b, &l0, &h0);
-        q4_codes(qs + 16 * (b + 1), &l1, &h1);
+        block_codes(qs, b, q4, &l0, &h0);
+        block_codes(qs, b + 1, q4, &l1, &h1);
         for (int r = 0; r < nr; r++) {
             const int16_t *pr = p + (r * nb + b) * QK;
             acc0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b]), dot16(l0, h0, pr), acc0[r]);
@@ -150,23 +160,28 @@ static inline __attribute__((always_inline)) void q4_rows(const uint8_t *qs, con
     }
     if (b < nb) {
         __m256i l0, h0;
-        q4_codes(qs + 16 * b, &l0, &h0);
+        block_codes(qs, b, q4, &l0, &h0);
         for (int r = 0; r < nr; r++)
             acc0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b]), dot16(l0, h0, p + (r * nb + b) * QK), acc0[r]);
     }
-    for (int r = 0; r < nr; r++) y[r * ystride] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) + dot_h(mn, s + r * nb, nb);
+    for (int r = 0; r < nr; r++) {
+        const float sum = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+        y[r * ystride] = q4 ? sum + dot_h(mn, s + r * nb, nb) : sum;
+    }
 }
 
-/* y [m, n] = x [m, k] @ W^T for W [n, k] in Q4_1 rows. */
-int pd_q4_1_matmul(const void *weight, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
+/* y [m, n] = x [m, k] @ W^T for W [n, k] in rows of Q4_1 (q4) or Q8_0 blocks (see the layouts above). */
+static inline __attribute__((always_inline)) int matmul(const void *weight, int64_t n, int64_t k, const float *x,
+                                                        int64_t m, float *y, int threads, const int q4) {
     if (k % QK != 0 || n <= 0 || m <= 0) return -1;
-    const int64_t nb = k / QK, row_bytes = nb * 20;
+    const int64_t nb = k / QK, row_bytes = nb * (q4 ? 20 : 34);
     act16 a;
     if (quantize_x(x, m, k, &a) != 0) return -2;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
-        const uint16_t *d = (const uint16_t *)((const uint8_t *)weight + i * row_bytes), *mn = d + nb;
-        const uint8_t *qs = (const uint8_t *)(mn + nb);
+        const uint16_t *d = (const uint16_t *)((const uint8_t *)weight + i * row_bytes);
+        const uint16_t *mn = q4 ? d + nb : NULL;
+        const uint8_t *qs = (const uint8_t *)(d + (q4 ? 2 * nb : nb));
         float de[ROWS][nb];
         for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
             const int nr = (int)(m - r0 < ROWS ? m - r0 : ROWS);
@@ -175,10 +190,10 @@ int pd_q4_1_matmul(const void *weight, int64_t n, int64_t k, const float *x, int
             const float *s = a.s + r0 * nb;
             float *out = y + r0 * n + i;
             switch (nr) { /* constant row counts, so each loop unrolls into registers */
-            case 1: q4_rows(qs, mn, nb, p, s, de, 1, out, n); break;
-            case 2: q4_rows(qs, mn, nb, p, s, de, 2, out, n); break;
-            case 3: q4_rows(qs, mn, nb, p, s, de, 3, out, n); break;
-            default: q4_rows(qs, mn, nb, p, s, de, ROWS, out, n); break;
+            case 1: weight_row(qs, mn, nb, p, s, de, 1, q4, out, n); break;
+            case 2: weight_row(qs, mn, nb, p, s, de, 2, q4, out, n); break;
+            case 3: weight_row(qs, mn, nb, p, s, de, 3, q4, out, n); break;
+            default: weight_row(qs, mn, nb, p, s, de, ROWS, q4, out, n); break;
             }
         }
     }
@@ -186,57 +201,12 @@ int pd_q4_1_matmul(const void *weight, int64_t n, int64_t k, const float *x, int
     return 0;
 }
 
-/* One Q8_0 weight row against nr activation rows; the same order of sums whatever nr is. */
-static inline __attribute__((always_inline)) void q8_rows(const int8_t *qs, int64_t nb, const int16_t *p,
-                                                          float de[][nb], const int nr, float *y, int64_t ystride) {
-    __m256 acc0[ROWS], acc1[ROWS];
-    for (int r = 0; r < nr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        __m256i l0, h0, l1, h1;
-        q8_codes(qs + QK * b, &l0, &h0);
-        q8_codes(qs + QK * (b + 1), &l1, &h1);
-        for (int r = 0; r < nr; r++) {
-            const int16_t *pr = p + (r * nb + b) * QK;
-            acc0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b]), dot16(l0, h0, pr), acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b + 1]), dot16(l1, h1, pr + QK), acc1[r]);
-        }
-    }
-    if (b < nb) {
-        __m256i l0, h0;
-        q8_codes(qs + QK * b, &l0, &h0);
-        for (int r = 0; r < nr; r++)
-            acc0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&de[r][b]), dot16(l0, h0, p + (r * nb + b) * QK), acc0[r]);
-    }
-    for (int r = 0; r < nr; r++) y[r * ystride] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+int pd_q4_1_matmul(const void *weight, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
+    return matmul(weight, n, k, x, m, y, threads, 1);
 }
 
-/* y [m, n] = x [m, k] @ W^T for W [n, k] in Q8_0 rows. */
 int pd_q8_0_matmul(const void *weight, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads) {
-    if (k % QK != 0 || n <= 0 || m <= 0) return -1;
-    const int64_t nb = k / QK, row_bytes = nb * 34;
-    act16 a;
-    if (quantize_x(x, m, k, &a) != 0) return -2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const uint16_t *d = (const uint16_t *)((const uint8_t *)weight + i * row_bytes);
-        const int8_t *qs = (const int8_t *)(d + nb);
-        float de[ROWS][nb];
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-            const int nr = (int)(m - r0 < ROWS ? m - r0 : ROWS);
-            for (int r = 0; r < nr; r++) scale_by(d, a.e + (r0 + r) * nb, nb, de[r]);
-            const int16_t *p = a.p + r0 * nb * QK;
-            float *out = y + r0 * n + i;
-            switch (nr) {
-            case 1: q8_rows(qs, nb, p, de, 1, out, n); break;
-            case 2: q8_rows(qs, nb, p, de, 2, out, n); break;
-            case 3: q8_rows(qs, nb, p, de, 3, out, n); break;
-            default: q8_rows(qs, nb, p, de, ROWS, out, n); break;
-            }
-        }
-    }
-    free(a.mem);
-    return 0;
+    return matmul(weight, n, k, x, m, y, threads, 0);
 }
 
 /* RMS norm of rows [rows, dim] (float32), after adding a residual when one is given:
