@@ -34,7 +34,7 @@
  * (20 and 34 bytes per block, GGUF's sizes.) The scales come apart from the codes so that they convert
  * 8 at a time, and first, so that a row is read front to back (the hardware prefetcher's pattern). */
 
-int pd_native_abi(void) { return 5; }
+int pd_native_abi(void) { return 6; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -243,4 +243,207 @@ int pd_rms_norm(const float *x, const float *residual, const float *w, int64_t r
         for (; i < dim; i++) o[i] = w[i] * (h[i] * scale);
     }
     return 0;
+}
+
+/* ---- Attention of decode steps over the paged KV cache, and the rotation + KV write before it ----
+ *
+ * The cache of one layer: k_cache / v_cache [num_blocks, block_size, Hkv, D] (strided views into
+ * one storage; an entry's Hkv * D elements contiguous), in float32, bfloat16 or float16. A key at
+ * position j of a sequence is in block block_tables[row][j / block_size] at offset j % block_size. */
+
+enum { PD_F32 = 0, PD_BF16 = 1, PD_F16 = 2 };
+
+typedef struct {
+    int64_t rows, hq, hk, d, rot;        /* rot: the rotated features of a head (rot <= d, even) */
+    int64_t block_size, window;          /* window: keys a query sees (0: all) */
+    int64_t block_stride, entry_stride;  /* cache elements between blocks, between a block's entries */
+    int64_t dtype;                       /* the cache's: PD_F32, PD_BF16, PD_F16 */
+    int64_t threads;
+    float scale;
+    const float *cos, *sin;              /* [rows, rot / 2], cs_stride apart */
+    int64_t cs_stride;
+    const int64_t *slots;                /* [rows]: where a row's k and v go (< 0: nowhere) */
+    const int32_t *block_tables;         /* [rows, bt_stride] */
+    int64_t bt_stride;
+    const int32_t *seq_lens;             /* [rows]: keys in context, the row's own included */
+} pd_attn;
+
+/* 8 cache elements as float32. */
+static inline __attribute__((always_inline)) __m256 load8(const void *base, int64_t i, const int dt) {
+    if (dt == PD_F32) return _mm256_loadu_ps((const float *)base + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    if (dt == PD_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* float32 -> bfloat16, rounded to nearest even (NaN stays NaN), as torch converts. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n float32 values (n a multiple of 8) into the cache's dtype at dst + i. */
+static inline void store_row(void *dst, int64_t i, const float *x, int64_t n, int dt) {
+    if (dt == PD_F32) { memcpy((float *)dst + i, x, (size_t)n * 4); return; }
+    uint16_t *o = (uint16_t *)dst + i;
+    if (dt == PD_F16) {
+        for (int64_t j = 0; j < n; j += 8)
+            _mm_storeu_si128((__m128i *)(o + j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+        return;
+    }
+    for (int64_t j = 0; j < n; j++) o[j] = to_bf16(x[j]);
+}
+
+/* Rotate one head (x1 c - x2 s | x2 c + x1 s over its first rot features; the rest as they are),
+ * each product and sum rounded to float32 on its own (built without contraction), as
+ * kernels.rotary.apply_rotary_ref computes it. */
+static inline void rotate(const float *x, const float *c, const float *s, int64_t rot, int64_t d, float *o) {
+    const int64_t half = rot / 2;
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+        const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+        const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+        _mm256_storeu_ps(o + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+        _mm256_storeu_ps(o + half + i, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+    }
+    for (; i < half; i++) {
+        const float a = x[i] * c[i], b = x[half + i] * s[i], e = x[half + i] * c[i], f = x[i] * s[i];
+        o[i] = a - b;
+        o[half + i] = e + f;
+    }
+    for (i = rot; i < d; i++) o[i] = x[i];
+}
+
+/* qkv [rows, (Hq + 2 Hkv) D] (qkv_stride apart) -> q_out [rows, Hq, D] rotated; k rotated and v
+ * into the cache at each row's slot. */
+int pd_rope_kv_write(const pd_attn *a, const float *qkv, int64_t qkv_stride, float *q_out, void *k_cache,
+                     void *v_cache) {
+    const int64_t hq = a->hq, hk = a->hk, d = a->d;
+    if (d % 8 || a->rot % 2 || a->rot > d || a->rot <= 0) return -1;
+#pragma omp parallel for num_threads((int)a->threads) schedule(static) if (a->rows * (hq + 2 * hk) * d >= (1 << 16))
+    for (int64_t t = 0; t < a->rows; t++) {
+        const float *x = qkv + t * qkv_stride, *c = a->cos + t * a->cs_stride, *s = a->sin + t * a->cs_stride;
+        for (int64_t h = 0; h < hq; h++) rotate(x + h * d, c, s, a->rot, d, q_out + (t * hq + h) * d);
+        const int64_t slot = a->slots[t];
+        if (slot < 0) continue;
+        const int64_t at = (slot / a->block_size) * a->block_stride + (slot % a->block_size) * a->entry_stride;
+        float k[hk * d];
+        for (int64_t h = 0; h < hk; h++) rotate(x + (hq + h) * d, c, s, a->rot, d, k + h * d);
+        store_row(k_cache, at, k, hk * d, (int)a->dtype);
+        store_row(v_cache, at, x + (hq + hk) * d, hk * d, (int)a->dtype);
+    }
+    return 0;
+}
+
+/* e^x for x <= 0 (lanes below -87.3 give 0): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-7
+ * polynomial (Cephes' expf coefficients), times 2^n; within 2 ulp of expf. */
+static inline __m256 exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* One sequence's queries of one KV head's group (G = Hq / Hkv heads) over its keys:
+ * scores, softmax, values; every sum in one fixed order, so a row's output is the same whatever
+ * rows share the call and however many threads run it. */
+static inline __attribute__((always_inline)) void attend(const pd_attn *a, const float *q, const void *kc,
+                                                         const void *vc, int64_t row, int64_t g, float *out,
+                                                         float *scores, const int dt) {
+    const int64_t d = a->d, G = a->hq / a->hk, len = a->seq_lens[row];
+    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0, n = len - start;
+    const int32_t *bt = a->block_tables + row * a->bt_stride;
+    const float *qg = q + g * G * d;
+    float *og = out + g * G * d;
+    if (n <= 0) { memset(og, 0, (size_t)(G * d) * 4); return; }
+    for (int64_t j = start; j < len; j++) {
+        const int64_t at = (int64_t)bt[j / a->block_size] * a->block_stride + (j % a->block_size) * a->entry_stride + g * d;
+        for (int64_t h = 0; h < G; h++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + h * d + i), load8(kc, at + i, dt), acc);
+            scores[h * n + (j - start)] = hsum8(acc) * a->scale;
+        }
+    }
+    for (int64_t h = 0; h < G; h++) {
+        float *sc = scores + h * n;
+        float mx = sc[0];
+        for (int64_t j = 1; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+        const __m256 m8 = _mm256_set1_ps(mx);
+        __m256 sum8 = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m8));
+            _mm256_storeu_ps(sc + j, p);
+            sum8 = _mm256_add_ps(sum8, p);
+        }
+        float sum = hsum8(sum8);
+        if (j < n) { /* the tail through the same exp, 8 lanes padded with -inf's 0 */
+            float t[8];
+            for (int i = 0; i < 8; i++) t[i] = j + i < n ? sc[j + i] - mx : -100.0f;
+            _mm256_storeu_ps(t, exp_neg(_mm256_loadu_ps(t)));
+            for (int64_t i = 0; j + i < n; i++) { sc[j + i] = t[i]; sum += t[i]; }
+        }
+        const float inv = 1.0f / sum;
+        for (j = 0; j < n; j++) sc[j] *= inv;
+    }
+    for (int64_t h = 0; h < G; h++) memset(og + h * d, 0, (size_t)d * 4);
+    for (int64_t j = start; j < len; j++) {
+        const int64_t at = (int64_t)bt[j / a->block_size] * a->block_stride + (j % a->block_size) * a->entry_stride + g * d;
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256 v = load8(vc, at + i, dt);
+            for (int64_t h = 0; h < G; h++) {
+                float *o = og + h * d + i;
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_broadcast_ss(scores + h * n + (j - start)), v, _mm256_loadu_ps(o)));
+            }
+        }
+    }
+}
+
+/* q [rows, Hq, D] (q_stride apart) -> out [rows, Hq, D]: each row one decode query over its
+ * sequence's keys (the last `window` when one is set). Threads over (row, KV head). */
+int pd_decode_attention(const pd_attn *a, const float *q, int64_t q_stride, const void *k_cache,
+                        const void *v_cache, float *out) {
+    if (a->d % 8 || a->hk <= 0 || a->hq % a->hk) return -1;
+    const int64_t tasks = a->rows * a->hk;
+    int64_t work = 0;
+    for (int64_t r = 0; r < a->rows; r++) work += a->seq_lens[r];
+    int failed = 0;
+#pragma omp parallel for num_threads((int)a->threads) schedule(static) if (work * a->hq * a->d >= (1 << 15))
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t row = task / a->hk, g = task % a->hk;
+        const int64_t n = a->seq_lens[row];
+        float *scores = malloc((size_t)((n > 0 ? n : 1) * (a->hq / a->hk)) * 4);
+        if (scores == NULL) { failed = 1; continue; }
+        const float *qr = q + row * q_stride;
+        float *o = out + row * a->hq * a->d;
+        switch (a->dtype) {
+        case PD_BF16: attend(a, qr, k_cache, v_cache, row, g, o, scores, PD_BF16); break;
+        case PD_F16: attend(a, qr, k_cache, v_cache, row, g, o, scores, PD_F16); break;
+        default: attend(a, qr, k_cache, v_cache, row, g, o, scores, PD_F32); break;
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}
+
+/* A decode step's attention for one layer: rotation and KV write, then the attention, in one
+ * call (the same numbers as the two calls). q_buf [rows, Hq, D] holds the rotated queries. */
+int pd_decode_attention_layer(const pd_attn *a, const float *qkv, int64_t qkv_stride, float *q_buf,
+                              void *k_cache, void *v_cache, float *out) {
+    const int rc = pd_rope_kv_write(a, qkv, qkv_stride, q_buf, k_cache, v_cache);
+    return rc != 0 ? rc : pd_decode_attention(a, q_buf, a->hq * a->d, k_cache, v_cache, out);
 }

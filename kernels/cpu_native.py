@@ -35,9 +35,11 @@ logger = logging.getLogger(__name__)
 
 QK = 32
 QMAX = 32767.0  # activations: 16-bit codes per block of 32
-_ABI = 5
+_ABI = 6
 _SOURCE = Path(__file__).with_name("cpu_native.c")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# -ffp-contract=off: the rotation must round each product and sum as torch does (no fused multiply-adds
+# but the ones written as such)
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
 class NativeUnavailable(RuntimeError):
@@ -110,6 +112,12 @@ def _library() -> ctypes.CDLL:
     lib.pd_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
     lib.pd_rms_norm.restype = ctypes.c_int
+    p = ctypes.c_void_p
+    lib.pd_rope_kv_write.argtypes = [p, p, ctypes.c_int64, p, p, p]
+    lib.pd_decode_attention.argtypes = [p, p, ctypes.c_int64, p, p, p]
+    lib.pd_decode_attention_layer.argtypes = [p, p, ctypes.c_int64, p, p, p, p]
+    for fn in (lib.pd_rope_kv_write, lib.pd_decode_attention, lib.pd_decode_attention_layer):
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -247,3 +255,127 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rc != 0:
         raise RuntimeError(f"pd_rms_norm failed ({rc})")
     return out, summed
+
+
+# ---- decode attention over the paged KV cache, and the rotation + KV write before it ----
+
+_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class _Attn(ctypes.Structure):
+    """``pd_attn`` of the C file: one step's shapes, tables and cache layout."""
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("rows", "hq", "hk", "d", "rot", "block_size", "window", "block_stride", "entry_stride", "dtype",
+                 "threads")] + [
+        ("scale", ctypes.c_float), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("cs_stride", ctypes.c_int64),
+        ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p)]
+
+
+def cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int] | None:
+    """(elements between blocks, between a block's entries, the C dtype code) of one layer's
+    ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]``, or None where the kernels do not
+    read that cache (another dtype or device, entries not contiguous, K and V laid out apart)."""
+    code = _CACHE_DTYPES.get(k_cache.dtype)
+    if (code is None or v_cache.dtype is not k_cache.dtype or k_cache.device.type != "cpu" or k_cache.dim() != 4
+            or v_cache.stride() != k_cache.stride() or v_cache.shape != k_cache.shape
+            or k_cache.stride(3) != 1 or k_cache.stride(2) != k_cache.shape[3]):
+        return None
+    return k_cache.stride(0), k_cache.stride(1), code
+
+
+def _int_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype is dtype and x.is_contiguous() else x.to(dtype).contiguous()
+
+
+def qkv_prepare(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                interleaved: bool = False) -> torch.Tensor:
+    """``kernels.qkv_prepare.qkv_prepare_ref``'s contract in one native call for float32 rows on
+    a CPU (the same numbers: each product and sum of the rotation rounded as torch rounds them,
+    the cache's dtype rounded to nearest even). q/k norms, interleaved rotation, other dtypes and
+    caches the kernels do not read take the reference."""
+    layout = cache_layout(k_cache, v_cache)
+    rows = qkv.shape[0]
+    if (layout is None or q_norm is not None or k_norm is not None or interleaved or qkv.dtype is not torch.float32
+            or qkv.dim() != 2 or qkv.stride(1) != 1 or cos.dtype is not torch.float32 or head_dim % 8
+            or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim or rows == 0):
+        from kernels.qkv_prepare import qkv_prepare_ref
+        return qkv_prepare_ref(qkv, num_q_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache, slot_mapping,
+                               q_norm, k_norm, eps, interleaved)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    slots = _int_tensor(slot_mapping, torch.int64)
+    a = _Attn(rows=rows, hq=num_q_heads, hk=num_kv_heads, d=head_dim, rot=2 * cos.shape[-1],
+              block_size=k_cache.shape[1], block_stride=layout[0], entry_stride=layout[1], dtype=layout[2],
+              threads=torch.get_num_threads(), cos=cos.data_ptr(), sin=sin.data_ptr(), cs_stride=cos.shape[-1],
+              slots=slots.data_ptr())
+    q = qkv.new_empty((rows, num_q_heads, head_dim))
+    rc = _library().pd_rope_kv_write(ctypes.byref(a), qkv.data_ptr(), qkv.stride(0), q.data_ptr(),
+                                     k_cache.data_ptr(), v_cache.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"pd_rope_kv_write failed ({rc})")
+    return q
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: object, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """``kernels.attention.paged_attention_ref``'s contract: decode steps (one query per
+    sequence) of float32 queries over a cache the kernels read run natively, one task per
+    (sequence, KV head), each row's numbers the same whatever rows share the step; prompt rows
+    and the rest take the reference."""
+    layout = cache_layout(k_cache, v_cache)
+    if (layout is None or not meta.decode_only or q.dtype is not torch.float32 or q.dim() != 3  # type: ignore[attr-defined]
+            or q.shape[2] % 8 or q.stride(2) != 1 or q.stride(1) != q.shape[2]):
+        from kernels.attention import paged_attention_ref
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)  # type: ignore[arg-type]
+    rows, hq, d = q.shape
+    out = q.new_empty((rows, hq, d))
+    if rows == 0:
+        return out
+    tables = _int_tensor(meta.block_tables, torch.int32)  # type: ignore[attr-defined]
+    seq_lens = _int_tensor(meta.seq_lens, torch.int32)  # type: ignore[attr-defined]
+    a = _Attn(rows=rows, hq=hq, hk=k_cache.shape[2], d=d, block_size=k_cache.shape[1], window=sliding_window or 0,
+              block_stride=layout[0], entry_stride=layout[1], dtype=layout[2], threads=torch.get_num_threads(),
+              scale=scale, block_tables=tables.data_ptr(), bt_stride=tables.stride(0), seq_lens=seq_lens.data_ptr())
+    rc = _library().pd_decode_attention(ctypes.byref(a), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                                        v_cache.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"pd_decode_attention failed ({rc})")
+    return out
+
+
+class DecodeAttention:
+    """One decode step's attention for every layer of a model, natively: the step's tables set
+    once, then per layer one call that rotates q and k, writes k and v to the cache and attends
+    (the same numbers as ``qkv_prepare`` then ``paged_attention``). The tensors given must live
+    until the step's last ``layer`` call."""
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        layout = cache_layout(k_cache, v_cache)
+        if layout is None or head_dim % 8 or cos.dtype is not torch.float32:
+            raise ValueError("the native decode attention does not read this cache or these shapes")
+        rows = slot_mapping.shape[0]
+        self._keep = (cos.contiguous(), sin.contiguous(), _int_tensor(slot_mapping, torch.int64),
+                      _int_tensor(block_tables, torch.int32), _int_tensor(seq_lens, torch.int32))
+        cos, sin, slots, tables, lens = self._keep
+        self._args = _Attn(rows=rows, hq=num_q_heads, hk=num_kv_heads, d=head_dim, rot=2 * cos.shape[-1],
+                           block_size=k_cache.shape[1], block_stride=layout[0], entry_stride=layout[1],
+                           dtype=layout[2], threads=torch.get_num_threads(), scale=scale, cos=cos.data_ptr(),
+                           sin=sin.data_ptr(), cs_stride=cos.shape[-1], slots=slots.data_ptr(),
+                           block_tables=tables.data_ptr(), bt_stride=tables.stride(0), seq_lens=lens.data_ptr())
+        self._ref = ctypes.byref(self._args)
+        self._fn = _library().pd_decode_attention_layer
+        self._q = torch.empty((rows, num_q_heads, head_dim))
+        self.out = torch.empty((rows, num_q_heads * head_dim))
+
+    def layer(self, qkv: torch.Tensor, k_cache_ptr: int, v_cache_ptr: int) -> torch.Tensor:
+        """``qkv [rows, (Hq + 2 Hkv) D]`` float32 (rows contiguous) -> the attention's output
+        ``[rows, Hq D]`` (one buffer, overwritten by the next call)."""
+        rc = self._fn(self._ref, qkv.data_ptr(), qkv.stride(0), self._q.data_ptr(), k_cache_ptr, v_cache_ptr,
+                      self.out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"pd_decode_attention_layer failed ({rc})")
+        return self.out

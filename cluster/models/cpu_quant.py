@@ -24,8 +24,10 @@ from torch import nn
 from cluster.models.layers import Linear
 from cluster.models.loader import ParamTarget
 from kernels import cpu_native
+from kernels.attention import paged_attention_ref
 from kernels.cpu_quant import (GROUP_SIZE, can_pack_q4, dense_dtype, dense_from_rows, dense_logits_from_rows,
                                int4_cpu_available, pack_q4, pack_q8_rows)
+from kernels.qkv_prepare import qkv_prepare_ref
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +112,7 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
             rows.append({"component": "logits", "op": "linear", "format": fmt, "impl": impl, "device": "cpu",
                          "role": "main", "reason": reason})
     if packed and native:
-        _native_norms(net)
+        _native_ops(net)
     if packed and hasattr(net, "cpu_decode"):
         rows.append(_lean_decode(net))
     logger.info("CPU weights: %s", "; ".join(r["reason"] for r in rows))
@@ -141,15 +143,32 @@ def quantize_float_linears(module: nn.Module) -> int:
     return done
 
 
-def _native_norms(net: nn.Module) -> None:
-    """Give ``net``'s norms the native RMS norm: every module sharing its ops (the layers and the
-    lean decode step then compute the same numbers), its kernel table saying so."""
+def _native_ops(net: nn.Module) -> None:
+    """Give ``net`` the native norm, rotation + KV write and decode attention beside the GGUF
+    weights' native kernels: every module sharing its ops takes them (so the layers and the lean
+    decode step compute the same numbers), its kernel table saying so. Ops resolved to other
+    kernels than the CPU references stay as they are."""
     old = net.ops
-    row = {"component": "rms_norm", "op": "rms_norm", "format": "float32", "impl": "native_cpu", "device": "cpu",
-           "role": "main", "reason": "the native RMS norm with the GGUF weights' native kernels (one call per norm "
-                                     "and its residual add, where the reference takes five torch ops)"}
-    table = tuple(row if r.get("component") == "rms_norm" else r for r in old.table)
-    ops = dataclasses.replace(old, rms_norm=cpu_native.rms_norm, table=table)
+    rows = {"rms_norm": {"component": "rms_norm", "op": "rms_norm", "format": "float32", "impl": "native_cpu",
+                         "device": "cpu", "role": "main",
+                         "reason": "the native RMS norm with the GGUF weights' native kernels (one call per norm "
+                                   "and its residual add, where the reference takes five torch ops)"}}
+    fields: dict[str, Any] = {"rms_norm": cpu_native.rms_norm}
+    if old.qkv_prepare is qkv_prepare_ref:
+        fields["qkv_prepare"] = cpu_native.qkv_prepare
+        rows["qkv_prepare"] = {"component": "qkv_prepare", "op": "qkv_prepare", "format": "float32",
+                               "impl": "native_cpu", "device": "cpu", "role": "main",
+                               "reason": "native rotation and KV write (the reference's numbers; q/k norms and "
+                                         "interleaved rotation take the reference)"}
+    if old.attention is paged_attention_ref:
+        fields["attention"] = cpu_native.paged_attention
+        rows["attention"] = {"component": "attention", "op": "attention", "format": "float32", "impl": "native_cpu",
+                             "device": "cpu", "role": "main",
+                             "reason": "native paged attention for decode steps (one task per sequence and KV "
+                                       "head, a row's numbers whatever rows share the step); prompt rows take "
+                                       "the torch reference"}
+    table = tuple(rows.pop(r.get("component"), r) for r in old.table) + tuple(rows.values())
+    ops = dataclasses.replace(old, **fields, table=table)
     for module in net.modules():
         if getattr(module, "ops", None) is old:
             module.ops = ops
@@ -167,7 +186,8 @@ def _lean_decode(net: nn.Module) -> dict[str, Any]:
     net.cpu_decode = LlamaCpuDecode(net)
     return {**row, "impl": "lean_cpu_decode",
             "reason": "decode-only steps in one pass with fewer torch ops (shared per-step tables, fused norms, "
-                      "one-flip rotation); same numbers as the layers"}
+                      "one native call per layer for rotation, KV write and attention where the native kernels "
+                      "run); same numbers as the layers"}
 
 
 def _dense_name() -> str:

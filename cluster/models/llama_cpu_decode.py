@@ -15,7 +15,10 @@ compares them), with about a third of the ops:
   add folded into the promotion of the previous projection's bfloat16 output;
 - q's and k's rotation is two multiplies and an add over ``[T, heads, 2, D / 2]`` with the
   halves swapped by one ``flip`` (``x1 c + x2 (-s)`` is ``x1 c - x2 s`` exactly);
-- every layer's K and V cache views are made once per cache.
+- every layer's K and V cache views are made once per cache;
+- with the native kernels (``kernels.cpu_native``: the model's ops then hold its ``qkv_prepare``
+  and ``paged_attention``), one native call per layer rotates q and k, writes k and v to the cache
+  and attends, the same numbers as the layers' two calls; without them, the torch ops below.
 
 It serves decode-only steps (one new token per sequence, the reference attention, no q/k norms);
 everything else (prefill chunks, verify steps, Qwen3's q/k norms, a GPU) takes the layers."""
@@ -55,9 +58,13 @@ def unsupported_reason(model: Any) -> str | None:
     if model.args.qk_norm:
         return "q/k norms (Qwen3)"
     ops = model.ops
-    if (ops.attention is not paged_attention_ref or ops.qkv_prepare is not qkv_prepare_ref
-            or ops.rms_norm not in (rms_norm_ref, cpu_native.rms_norm)):
-        return "attention, q/k preparation or norms run kernels other than the CPU references"
+    native = (cpu_native.paged_attention, cpu_native.qkv_prepare, cpu_native.rms_norm)
+    refs = (paged_attention_ref, qkv_prepare_ref, rms_norm_ref)
+    mine = (ops.attention, ops.qkv_prepare, ops.rms_norm)
+    if any(op not in (ref, nat) for op, ref, nat in zip(mine, refs, native)):
+        return "attention, q/k preparation or norms run kernels other than the CPU references or native ones"
+    if (ops.attention is cpu_native.paged_attention) != (ops.qkv_prepare is cpu_native.qkv_prepare):
+        return "one of attention and q/k preparation is native, the other not"
     for layer in model.layers:
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if any(lin.quantized is None for lin in linears):
@@ -93,7 +100,11 @@ class LlamaCpuDecode:
         #: The model's norms are the native ones (``kernels.cpu_native.rms_norm``, given by
         #: ``cluster.models.cpu_quant`` with the native kernels): this path takes them too.
         self.native_norm = model.ops.rms_norm is cpu_native.rms_norm
+        #: Likewise the rotation, KV write and attention (``cpu_native.qkv_prepare`` and
+        #: ``paged_attention``): then one native call per layer does all three.
+        self.native_attention = model.ops.attention is cpu_native.paged_attention
         self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] | None = None
+        self._pointers: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
         #: Decode steps this path computed (the rest went through the layers).
         self.num_steps = 0
 
@@ -108,6 +119,11 @@ class LlamaCpuDecode:
             self._views = (storage, per_layer)
         return self._views[1]
 
+    def _cache_pointers(self, storage: torch.Tensor) -> list[tuple[int, int]]:
+        if self._pointers is None or self._pointers[0] is not storage:
+            self._pointers = (storage, [(k.data_ptr(), v.data_ptr()) for _, k, v in self._cache_views(storage)])
+        return self._pointers[1]
+
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``input_ids [B]`` (one per sequence) -> final hidden states ``[B, H]``, the KV of the
         new tokens written, exactly as the layers would."""
@@ -121,41 +137,50 @@ class LlamaCpuDecode:
 
         # shared by every layer: rotation tables, slots, the gather list, the padding mask
         cos, sin = rope_cos_sin(model.inv_freq, ctx.positions)  # [B, D / 2]
-        cos4 = cos[:, None, None, :]  # [B, 1, 1, D / 2], both halves
-        sin4 = torch.stack((-sin, sin), dim=1)[:, None]  # [B, 1, 2, D / 2]: x2 (-s) | x1 s
         slot_mapping = ctx.slot_mappings[0]
         assert slot_mapping is not None
-        keep, slot_blocks, slot_offsets = split_slots(slot_mapping, block_size)
-        max_len = max(ctx.seq_lens_cpu)
-        num_blocks = (max_len + block_size - 1) // block_size
-        gather = block_list(ctx.block_tables[0], num_blocks)  # every sequence's blocks, one list
-        if b == 1:
-            mask = None
+        native = None
+        if self.native_attention and cpu_native.cache_layout(views[0][1], views[0][2]) is not None:
+            native = cpu_native.DecodeAttention(hq, hk, d, cos, sin, slot_mapping, ctx.block_tables[0], ctx.seq_lens,
+                                                self.scale, views[0][1], views[0][2])
+            pointers = self._cache_pointers(ctx.kv_caches[0])
         else:
-            k_pos = torch.arange(num_blocks * block_size)
-            mask = (k_pos[None, :] < ctx.seq_lens.long()[:, None])[:, None, None, :]  # [B, 1, 1, S]
+            cos4 = cos[:, None, None, :]  # [B, 1, 1, D / 2], both halves
+            sin4 = torch.stack((-sin, sin), dim=1)[:, None]  # [B, 1, 2, D / 2]: x2 (-s) | x1 s
+            keep, slot_blocks, slot_offsets = split_slots(slot_mapping, block_size)
+            max_len = max(ctx.seq_lens_cpu)
+            num_blocks = (max_len + block_size - 1) // block_size
+            gather = block_list(ctx.block_tables[0], num_blocks)  # every sequence's blocks, one list
+            if b == 1:
+                mask = None
+            else:
+                k_pos = torch.arange(num_blocks * block_size)
+                mask = (k_pos[None, :] < ctx.seq_lens.long()[:, None])[:, None, None, :]  # [B, 1, 1, S]
 
         x: torch.Tensor = F.embedding(input_ids, model.embed_tokens.weight)  # [B, H] float32
         residual: torch.Tensor | None = None
-        for layer, (layer_cache, k_cache, v_cache) in zip(self.layers, views):
+        for i, (layer, (layer_cache, k_cache, v_cache)) in enumerate(zip(self.layers, views)):
             h, residual = self._norm(x, layer.input_norm, residual)
             qkv = _linear(h, layer.qkv, layer.qkv_bias)  # [B, (Hq + 2 Hkv) D] float32
-            qk = qkv[:, :self.qk_size].view(b, hq + hk, 2, d // 2)
-            torch.add(qk * cos4, qk.flip(2) * sin4, out=qk)  # rotated in place: q | k | v stays one row
-            q = qkv[:, :self.q_out].view(b, hq, d)
-            kv = qkv[:, self.q_out:].view(b, 2, hk, d)  # the cache's [2, Hkv, D] per entry
-            if keep is not None:
-                kv = kv[keep]
-            layer_cache[slot_blocks, :, slot_offsets] = kv if cache_dtype == kv.dtype else kv.to(cache_dtype)
-            keys = k_cache.index_select(0, gather).view(b, num_blocks * block_size, hk, d)
-            values = v_cache.index_select(0, gather).view(b, num_blocks * block_size, hk, d)
-            if mask is None:
-                keys, values = keys[:, :max_len], values[:, :max_len]
-            if cache_dtype != q.dtype:
-                keys, values = keys.to(q.dtype), values.to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale,
-                enable_gqa=hq != hk)  # [B, Hq, 1, D]
+            if native is not None:
+                out = native.layer(qkv, *pointers[i])  # rotation, KV write and attention: [B, Hq D]
+            else:
+                qk = qkv[:, :self.qk_size].view(b, hq + hk, 2, d // 2)
+                torch.add(qk * cos4, qk.flip(2) * sin4, out=qk)  # rotated in place: q | k | v stays one row
+                q = qkv[:, :self.q_out].view(b, hq, d)
+                kv = qkv[:, self.q_out:].view(b, 2, hk, d)  # the cache's [2, Hkv, D] per entry
+                if keep is not None:
+                    kv = kv[keep]
+                layer_cache[slot_blocks, :, slot_offsets] = kv if cache_dtype == kv.dtype else kv.to(cache_dtype)
+                keys = k_cache.index_select(0, gather).view(b, num_blocks * block_size, hk, d)
+                values = v_cache.index_select(0, gather).view(b, num_blocks * block_size, hk, d)
+                if mask is None:
+                    keys, values = keys[:, :max_len], values[:, :max_len]
+                if cache_dtype != q.dtype:
+                    keys, values = keys.to(q.dtype), values.to(q.dtype)
+                out = F.scaled_dot_product_attention(
+                    q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale,
+                    enable_gqa=hq != hk)  # [B, Hq, 1, D]
             attn = q4_matmul(out.reshape(b, self.q_out), layer.o)  # bfloat16
             if layer.o_bias is not None:
                 attn = attn.float() + layer.o_bias

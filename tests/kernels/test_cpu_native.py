@@ -201,3 +201,143 @@ def test_the_native_rms_norm_keeps_the_references_contract(dim):
     assert torch.equal(cpu_native.rms_norm(xb, weight, 1e-5)[0], rms_norm_ref(xb, weight, 1e-5)[0])
     with pytest.raises(ValueError, match=f"weight must be \\[{dim}\\]"):
         cpu_native.rms_norm(x, torch.randn(dim + 1), 1e-5)
+
+
+# ---- the rotation + KV write, and decode attention over the paged cache ----
+
+def _cache(dtype: torch.dtype, hk: int, d: int, *, layers: int = 3, blocks: int = 80, block_size: int = 16,
+           seed: int = 0) -> torch.Tensor:
+    """Every layer's KV in one storage ``[blocks, layers, 2, block_size, Hkv, D]``, as the engine
+    allocates it (a layer's K and V are strided views)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(blocks, layers, 2, block_size, hk, d, generator=g).to(dtype)
+
+
+def _decode_meta(seq_lens: list[int], tables: torch.Tensor):
+    from kernels.attention import PagedAttentionMetadata
+    b = len(seq_lens)
+    return PagedAttentionMetadata(
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables, slot_mapping=torch.zeros(b, dtype=torch.int64), query_start_loc_cpu=list(range(b + 1)),
+        seq_lens_cpu=seq_lens, max_query_len=1, max_seq_len=max(seq_lens))
+
+
+SHAPES = [(9, 3, 64, 64), (8, 8, 128, 128), (4, 2, 32, 16)]  # SmolLM2's GQA; MHA at D 128; a partial rotation
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hk,d,rot", SHAPES)
+def test_the_native_rotation_and_kv_write_are_the_references_numbers_exactly(dtype, hq, hk, d, rot):
+    from kernels.qkv_prepare import qkv_prepare_ref
+    from kernels.rotary import rope_cos_sin
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, (hq + 2 * hk) * d, generator=g) * 4
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = rope_cos_sin(inv_freq, torch.randint(0, 4000, (5,), generator=g))
+    slots = torch.tensor([17, 3, -1, 100, 37])  # -1: a padding row, written nowhere
+    want_cache, got_cache = _cache(dtype, hk, d), _cache(dtype, hk, d)
+    want = qkv_prepare_ref(qkv, hq, hk, d, cos, sin, want_cache[:, 1, 0], want_cache[:, 1, 1], slots)
+    got = cpu_native.qkv_prepare(qkv, hq, hk, d, cos, sin, got_cache[:, 1, 0], got_cache[:, 1, 1], slots)
+    assert torch.equal(got, want) and got.is_contiguous()
+    assert torch.equal(got_cache, want_cache)  # the same bits in the same slots, no other byte touched
+    # a view of a wider row (the projection's output sliced) reads the same
+    wide = torch.cat([qkv, torch.randn(5, 8)], dim=1)[:, : qkv.shape[1]]
+    assert torch.equal(cpu_native.qkv_prepare(wide, hq, hk, d, cos, sin, got_cache[:, 1, 0], got_cache[:, 1, 1],
+                                              slots), want)
+
+
+@native
+def test_what_the_native_rotation_does_not_take_goes_to_the_reference():
+    from kernels.qkv_prepare import qkv_prepare_ref
+    from kernels.rotary import rope_cos_sin
+    hq, hk, d = 4, 2, 32
+    qkv = torch.randn(3, (hq + 2 * hk) * d)
+    cos, sin = rope_cos_sin(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), torch.arange(3))
+    slots = torch.arange(3)
+    norm = torch.randn(d)
+    for kwargs, cache_dtype in (({"q_norm": norm, "k_norm": norm}, torch.float32), ({"interleaved": True}, torch.float32),
+                                ({}, torch.float8_e4m3fn)):
+        a, b = _cache(torch.float32, hk, d).to(cache_dtype), _cache(torch.float32, hk, d).to(cache_dtype)
+        want = qkv_prepare_ref(qkv, hq, hk, d, cos, sin, a[:, 0, 0], a[:, 0, 1], slots, **kwargs)
+        got = cpu_native.qkv_prepare(qkv, hq, hk, d, cos, sin, b[:, 0, 0], b[:, 0, 1], slots, **kwargs)
+        assert torch.equal(got, want) and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hk,d,rot", SHAPES)
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_decode_attention_equals_the_reference(dtype, hq, hk, d, rot, window):
+    from kernels.attention import paged_attention_ref
+    cache = _cache(dtype, hk, d, seed=1)
+    k_cache, v_cache = cache[:, 2, 0], cache[:, 2, 1]
+    seq_lens = [1, 17, 250, 33]  # one key; past a block; many blocks; the exp's 8-lane tail
+    tables = torch.randperm(80, generator=torch.Generator().manual_seed(2))[:64].view(4, 16).int()
+    meta = _decode_meta(seq_lens, tables)
+    q = torch.randn(4, hq, d, generator=torch.Generator().manual_seed(4))
+    want = paged_attention_ref(q, k_cache, v_cache, meta, d ** -0.5, window)
+    got = cpu_native.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    for i in range(4):  # a row's numbers do not depend on the rows beside it
+        alone = cpu_native.paged_attention(q[i:i + 1], k_cache, v_cache, _decode_meta(seq_lens[i:i + 1], tables[i:i + 1]),
+                                           d ** -0.5, window)
+        assert torch.equal(alone[0], got[i])
+
+
+@native
+def test_native_decode_attention_splits_over_threads_without_changing_a_number():
+    cache = _cache(torch.float32, 3, 64, blocks=300)
+    seq_lens = [1000, 700, 1500]  # work enough for the threaded loop
+    tables = torch.randperm(300)[:288].view(3, 96).int()
+    q = torch.randn(3, 9, 64)
+    meta = _decode_meta(seq_lens, tables)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_native.paged_attention(q, cache[:, 0, 0], cache[:, 0, 1], meta, 0.125)
+        torch.set_num_threads(max(2, threads))
+        many = cpu_native.paged_attention(q, cache[:, 0, 0], cache[:, 0, 1], meta, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+@native
+def test_prompt_rows_and_other_inputs_take_the_reference_attention():
+    from kernels.attention import PagedAttentionMetadata, paged_attention_ref
+    cache = _cache(torch.float32, 2, 32)
+    tables = torch.arange(8).view(2, 4).int()
+    q = torch.randn(5, 4, 32)  # 3 prompt rows of one sequence, 2 of another
+    meta = PagedAttentionMetadata(
+        query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32), seq_lens=torch.tensor([20, 9], dtype=torch.int32),
+        block_tables=tables, slot_mapping=torch.zeros(5, dtype=torch.int64), query_start_loc_cpu=[0, 3, 5],
+        seq_lens_cpu=[20, 9], max_query_len=3, max_seq_len=20)
+    want = paged_attention_ref(q, cache[:, 0, 0], cache[:, 0, 1], meta, 0.2)
+    assert torch.equal(cpu_native.paged_attention(q, cache[:, 0, 0], cache[:, 0, 1], meta, 0.2), want)
+    fp8 = cache.to(torch.float8_e4m3fn)  # a cache the kernel does not read
+    meta1 = _decode_meta([20, 9], tables)
+    q1 = torch.randn(2, 4, 32)
+    assert torch.equal(cpu_native.paged_attention(q1, fp8[:, 0, 0], fp8[:, 0, 1], meta1, 0.2),
+                       paged_attention_ref(q1, fp8[:, 0, 0], fp8[:, 0, 1], meta1, 0.2))
+    assert cpu_native.cache_layout(fp8[:, 0, 0], fp8[:, 0, 1]) is None
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_per_layer_is_the_two_calls_numbers(dtype):
+    from kernels.rotary import rope_cos_sin
+    hq, hk, d = 9, 3, 64
+    seq_lens = [40, 7, 123]
+    tables = torch.randperm(80, generator=torch.Generator().manual_seed(5))[:48].view(3, 16).int()
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(seq_lens)])
+    cos, sin = rope_cos_sin(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), torch.tensor(seq_lens) - 1)
+    qkv = torch.randn(3, (hq + 2 * hk) * d)
+    a, b = _cache(dtype, hk, d), _cache(dtype, hk, d)
+    q = cpu_native.qkv_prepare(qkv, hq, hk, d, cos, sin, a[:, 1, 0], a[:, 1, 1], slots)
+    want = cpu_native.paged_attention(q, a[:, 1, 0], a[:, 1, 1], _decode_meta(seq_lens, tables), d ** -0.5)
+    step = cpu_native.DecodeAttention(hq, hk, d, cos, sin, slots, tables, torch.tensor(seq_lens), d ** -0.5,
+                                      b[:, 0, 0], b[:, 0, 1])
+    got = step.layer(qkv, b[:, 1, 0].data_ptr(), b[:, 1, 1].data_ptr())
+    assert torch.equal(got, want.reshape(3, hq * d))
+    assert torch.equal(a, b)
