@@ -192,7 +192,7 @@ def main() -> None:
                            f"do not run here: {cpu_native.status()[1]}"),
                   "ours_float32": "dtype=float32: every weight dequantized (transformers' weights)"},
         "kernels": [r for r in llm.engine.model.kernel_choices()
-                    if r["component"] in ("linear", "logits", "rms_norm", "decode_step")],
+                    if r["component"] in ("linear", "logits", "rms_norm", "qkv_prepare", "attention", "decode_step")],
         "new_tokens": args.new_tokens, "repeats": args.repeats, "environment": environment(),
         "startup_to_first_token_s": {"ours": startup_q, "ours_float32": startup_f32},
         "copy_bandwidth_gb_s": bandwidth,

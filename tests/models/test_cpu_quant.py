@@ -168,6 +168,11 @@ def test_default_cpu_engine_keeps_the_4_bit_weights_and_says_so(quantized, exact
     assert len(norms) == 1 and norms[0]["impl"] == ("native_cpu" if native else "torch")
     assert (layer.input_layernorm.ops.rms_norm is cpu_native.rms_norm) == native
     assert (model.cpu_decode.native_norm) == native  # the lean step takes the layers' norm
+    for component in ("attention", "qkv_prepare"):  # decode attention, rotation and KV write
+        rows = [row for row in model.kernel_choices() if row["component"] == component]
+        assert len(rows) == 1 and (rows[0]["impl"] == "native_cpu") == native, rows
+    assert (layer.self_attn.ops.attention is cpu_native.paged_attention) == native
+    assert model.cpu_decode.native_attention == native  # one native call per layer in the lean step
     # dtype="float32": the exact path, every weight dequantized
     assert exact.engine.model.layers[0].mlp.gate_up_proj.quantized is None
     assert exact.engine.model.quantized_logits is None
@@ -188,6 +193,7 @@ def test_without_the_native_kernels_the_engine_takes_torchs_and_says_why(monkeyp
     assert "native CPU kernels do not run here (this CPU lacks avx2)" in caplog.text
     assert llm.engine.model.layers[0].mlp.gate_up_proj.quantized.native is None
     assert table["rms_norm"]["impl"] == "torch" and not llm.engine.model.cpu_decode.native_norm
+    assert table["attention"]["impl"] == "torch" and not llm.engine.model.cpu_decode.native_attention
     params = SamplingParams(temperature=0.0, max_tokens=16)
     assert len(llm.chat(README_CHATS[0], params)[0].outputs[0].token_ids) > 3
 
