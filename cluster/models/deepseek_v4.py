@@ -241,8 +241,12 @@ class DeepseekV4ForCausalLM(nn.Module):
 #: Components whose kernels decide whether a decode step can be captured in a CUDA graph.
 _GRAPH_COMPONENTS = ("v4_sparse_attention", "v4_indexer", "moe")
 
-#: The shared ops V4 calls (it has no use for the paged attention of the Llama family).
-_SHARED_OPS = ("rms_norm", "silu_and_mul", "sampling")
+#: The shared ops V4 calls (it has no use for the paged attention of the Llama family); the
+#: speculative ones run in its verify steps (the rows of a verify step; acceptance and the next
+#: drafts on the device when verify steps are pipelined). Left unresolved, they kept the torch
+#: references on a GPU too, out of the kernel table (and out of reach of anything that wraps the
+#: resolved kernel).
+_SHARED_OPS = ("rms_norm", "silu_and_mul", "sampling", "spec_verify_rows", "spec_accept_draft_rows")
 
 
 def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]:
