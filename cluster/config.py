@@ -86,10 +86,10 @@ class ModelConfig:
     #: mtp (and draft_head on a model with several KV groups: DeepSeek-V4's six) with
     #: ``async_scheduling`` on a GPU: verify steps run pipelined (spec_pipeline.py: the rows of
     #: every group laid out, the compressors' accepted states committed and the next drafts
-    #: launched on the device). Off by default until the GPU gate has run them; off, verify steps
-    #: of such a model run synchronously and ``/v1/backends`` says so. Models of one KV group
-    #: pipeline regardless.
-    pipelined_verify_kv_groups: bool = False
+    #: launched on the device). On by default since the GPU gate ran them (gpucheck at 9f81b9f on
+    #: an H200 and fa659ec on an H100); ``false`` runs the verify steps of such a model
+    #: synchronously, and ``/v1/backends`` says so. Models of one KV group pipeline regardless.
+    pipelined_verify_kv_groups: bool = True
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))

@@ -221,7 +221,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             return f"the model's first KV group ({self.kv_specs[0].name}) is not per-token: the drafter's KV lives there"
         if len(self.kv_specs) > 1 and not self.model_config.pipelined_verify_kv_groups:
             return (f"the model's KV is {len(self.kv_specs)} groups ({', '.join(s.name for s in self.kv_specs)}) and "
-                    "pipelined_verify_kv_groups is off (it waits on the GPU gate)")
+                    "pipelined_verify_kv_groups is off")
         if any(s.kind == "state" for s in self.kv_specs) and self.runner.verify_states is None:
             return "the model's state KV groups keep no verified positions' states"
         if not self.scheduler_config.async_scheduling:

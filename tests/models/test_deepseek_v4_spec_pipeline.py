@@ -9,8 +9,8 @@ knows the reference continuation and is wrong at every fifth position: drafts ar
 and rejected across compression windows (CSA 4, HCA 8), sliding windows (8) and blocks (4). Greedy,
 seeded and ``n > 1`` output equals decoding without speculation token for token; prompts that
 extend earlier outputs hit blocks whose state checkpoints the device committed and still decode
-the same; aborts mid-epoch free every block of every group. Until the GPU gate has run them,
-they are off by default (``pipelined_verify_kv_groups``), and the engine says so."""
+the same; aborts mid-epoch free every block of every group. They are on by default since the GPU
+gate ran them; ``pipelined_verify_kv_groups=False`` turns them off, and the engine says so."""
 from __future__ import annotations
 
 import pytest
@@ -113,8 +113,11 @@ def test_pipelined_mtp_output_equals_no_speculation(v4):
     assert engine.kv.usage == 0.0 and not engine.runner.drafter.states
 
 
-def test_off_by_default_and_said(v4):
-    llm = LLM(v4, block_size=4, speculative_method="mtp", num_speculative_tokens=K, max_num_seqs=4)
+def test_on_by_default_and_when_turned_off_said(v4):
+    from cluster.config import ModelConfig
+    assert ModelConfig(model=v4).pipelined_verify_kv_groups  # on by default since the GPU gate ran them
+    llm = LLM(v4, block_size=4, speculative_method="mtp", num_speculative_tokens=K, max_num_seqs=4,
+              pipelined_verify_kv_groups=False)
     engine = llm.engine  # (the rule comes before the graphs' on a CPU)
     assert not engine._spec_pipelined
     assert "pipelined_verify_kv_groups is off" in engine.spec_pipeline_status
