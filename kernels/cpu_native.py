@@ -231,7 +231,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``kernels.norm.rms_norm_ref``'s contract, natively for float32 CPU rows: returns
     ``(norm(x + residual) * weight, x + residual)`` (without a residual the second is None): one
-    call where the reference takes five torch ops. Other dtypes and devices take the reference. Each row's numbers are the same whatever the rows beside it."""
+    call where the reference takes five torch ops. Other dtypes and devices take the reference.
+    Each row's numbers are the same whatever the rows beside it."""
     if (x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.device.type != "cpu"
             or (residual is not None and residual.dtype is not torch.float32)):
         from kernels.norm import rms_norm_ref
@@ -288,6 +289,13 @@ def _int_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype is dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
+def _args(k_cache: torch.Tensor, layout: tuple[int, int, int], **fields: object) -> _Attn:
+    """A ``pd_attn`` for one layer's cache (its layout from ``cache_layout``) and the step's other
+    ``fields``; threads as torch's."""
+    return _Attn(hk=k_cache.shape[2], block_size=k_cache.shape[1], block_stride=layout[0], entry_stride=layout[1],
+                 dtype=layout[2], threads=torch.get_num_threads(), **fields)
+
+
 def qkv_prepare(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
@@ -300,16 +308,15 @@ def qkv_prepare(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim
     rows = qkv.shape[0]
     if (layout is None or q_norm is not None or k_norm is not None or interleaved or qkv.dtype is not torch.float32
             or qkv.dim() != 2 or qkv.stride(1) != 1 or cos.dtype is not torch.float32 or head_dim % 8
-            or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim or rows == 0):
+            or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim or k_cache.shape[2] != num_kv_heads
+            or rows == 0):
         from kernels.qkv_prepare import qkv_prepare_ref
         return qkv_prepare_ref(qkv, num_q_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache, slot_mapping,
                                q_norm, k_norm, eps, interleaved)
     cos, sin = cos.contiguous(), sin.contiguous()
     slots = _int_tensor(slot_mapping, torch.int64)
-    a = _Attn(rows=rows, hq=num_q_heads, hk=num_kv_heads, d=head_dim, rot=2 * cos.shape[-1],
-              block_size=k_cache.shape[1], block_stride=layout[0], entry_stride=layout[1], dtype=layout[2],
-              threads=torch.get_num_threads(), cos=cos.data_ptr(), sin=sin.data_ptr(), cs_stride=cos.shape[-1],
-              slots=slots.data_ptr())
+    a = _args(k_cache, layout, rows=rows, hq=num_q_heads, d=head_dim, rot=2 * cos.shape[-1], cos=cos.data_ptr(),
+              sin=sin.data_ptr(), cs_stride=cos.shape[-1], slots=slots.data_ptr())
     q = qkv.new_empty((rows, num_q_heads, head_dim))
     rc = _library().pd_rope_kv_write(ctypes.byref(a), qkv.data_ptr(), qkv.stride(0), q.data_ptr(),
                                      k_cache.data_ptr(), v_cache.data_ptr())
@@ -335,9 +342,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     tables = _int_tensor(meta.block_tables, torch.int32)  # type: ignore[attr-defined]
     seq_lens = _int_tensor(meta.seq_lens, torch.int32)  # type: ignore[attr-defined]
-    a = _Attn(rows=rows, hq=hq, hk=k_cache.shape[2], d=d, block_size=k_cache.shape[1], window=sliding_window or 0,
-              block_stride=layout[0], entry_stride=layout[1], dtype=layout[2], threads=torch.get_num_threads(),
-              scale=scale, block_tables=tables.data_ptr(), bt_stride=tables.stride(0), seq_lens=seq_lens.data_ptr())
+    a = _args(k_cache, layout, rows=rows, hq=hq, d=d, window=sliding_window or 0, scale=scale,
+              block_tables=tables.data_ptr(), bt_stride=tables.stride(0), seq_lens=seq_lens.data_ptr())
     rc = _library().pd_decode_attention(ctypes.byref(a), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
                                         v_cache.data_ptr(), out.data_ptr())
     if rc != 0:
@@ -355,17 +361,17 @@ class DecodeAttention:
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         layout = cache_layout(k_cache, v_cache)
-        if layout is None or head_dim % 8 or cos.dtype is not torch.float32:
+        if (layout is None or head_dim % 8 or cos.dtype is not torch.float32
+                or k_cache.shape[2:] != (num_kv_heads, head_dim)):
             raise ValueError("the native decode attention does not read this cache or these shapes")
         rows = slot_mapping.shape[0]
         self._keep = (cos.contiguous(), sin.contiguous(), _int_tensor(slot_mapping, torch.int64),
                       _int_tensor(block_tables, torch.int32), _int_tensor(seq_lens, torch.int32))
         cos, sin, slots, tables, lens = self._keep
-        self._args = _Attn(rows=rows, hq=num_q_heads, hk=num_kv_heads, d=head_dim, rot=2 * cos.shape[-1],
-                           block_size=k_cache.shape[1], block_stride=layout[0], entry_stride=layout[1],
-                           dtype=layout[2], threads=torch.get_num_threads(), scale=scale, cos=cos.data_ptr(),
-                           sin=sin.data_ptr(), cs_stride=cos.shape[-1], slots=slots.data_ptr(),
-                           block_tables=tables.data_ptr(), bt_stride=tables.stride(0), seq_lens=lens.data_ptr())
+        self._args = _args(k_cache, layout, rows=rows, hq=num_q_heads, d=head_dim, rot=2 * cos.shape[-1],
+                           scale=scale, cos=cos.data_ptr(), sin=sin.data_ptr(), cs_stride=cos.shape[-1],
+                           slots=slots.data_ptr(), block_tables=tables.data_ptr(), bt_stride=tables.stride(0),
+                           seq_lens=lens.data_ptr())
         self._ref = ctypes.byref(self._args)
         self._fn = _library().pd_decode_attention_layer
         self._q = torch.empty((rows, num_q_heads, head_dim))

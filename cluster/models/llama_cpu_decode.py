@@ -104,7 +104,7 @@ class LlamaCpuDecode:
         #: ``paged_attention``): then one native call per layer does all three.
         self.native_attention = model.ops.attention is cpu_native.paged_attention
         self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] | None = None
-        self._pointers: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
+        self._pointers: tuple[torch.Tensor, list[tuple[int, int]] | None] | None = None
         #: Decode steps this path computed (the rest went through the layers).
         self.num_steps = 0
 
@@ -119,9 +119,13 @@ class LlamaCpuDecode:
             self._views = (storage, per_layer)
         return self._views[1]
 
-    def _cache_pointers(self, storage: torch.Tensor) -> list[tuple[int, int]]:
+    def _cache_pointers(self, storage: torch.Tensor) -> list[tuple[int, int]] | None:
+        """Every layer's (K, V) addresses for the native step, or None where the native kernels do
+        not read this cache (checked once per cache, not per step)."""
         if self._pointers is None or self._pointers[0] is not storage:
-            self._pointers = (storage, [(k.data_ptr(), v.data_ptr()) for _, k, v in self._cache_views(storage)])
+            views = self._cache_views(storage)
+            readable = cpu_native.cache_layout(views[0][1], views[0][2]) is not None
+            self._pointers = (storage, [(k.data_ptr(), v.data_ptr()) for _, k, v in views] if readable else None)
         return self._pointers[1]
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -140,10 +144,10 @@ class LlamaCpuDecode:
         slot_mapping = ctx.slot_mappings[0]
         assert slot_mapping is not None
         native = None
-        if self.native_attention and cpu_native.cache_layout(views[0][1], views[0][2]) is not None:
+        pointers = self._cache_pointers(ctx.kv_caches[0]) if self.native_attention else None
+        if pointers is not None:
             native = cpu_native.DecodeAttention(hq, hk, d, cos, sin, slot_mapping, ctx.block_tables[0], ctx.seq_lens,
                                                 self.scale, views[0][1], views[0][2])
-            pointers = self._cache_pointers(ctx.kv_caches[0])
         else:
             cos4 = cos[:, None, None, :]  # [B, 1, 1, D / 2], both halves
             sin4 = torch.stack((-sin, sin), dim=1)[:, None]  # [B, 1, 2, D / 2]: x2 (-s) | x1 s
@@ -162,7 +166,7 @@ class LlamaCpuDecode:
         for i, (layer, (layer_cache, k_cache, v_cache)) in enumerate(zip(self.layers, views)):
             h, residual = self._norm(x, layer.input_norm, residual)
             qkv = _linear(h, layer.qkv, layer.qkv_bias)  # [B, (Hq + 2 Hkv) D] float32
-            if native is not None:
+            if native is not None and pointers is not None:
                 out = native.layer(qkv, *pointers[i])  # rotation, KV write and attention: [B, Hq D]
             else:
                 qk = qkv[:, :self.qk_size].view(b, hq + hk, 2, d // 2)
