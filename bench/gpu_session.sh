@@ -45,6 +45,7 @@ for part in "$@"; do
     v4decode) timeout 400 python3 bench/v4_decode_gpu.py --out "$OUT/v4-decode-h200-$date.json" 2>&1 | tail -20 ;;
     spec) timeout 300 python3 bench/spec_decode_gpu.py --out "$OUT/spec-decode-h200-$date.json" 2>&1 | tail -12 ;;
     v4mtp) timeout 560 python3 bench/v4_mtp_gpu.py --out "$OUT/v4-mtp-h200-$date.json" 2>&1 | grep -v "^Loading" | tail -40 ;;
+    v4mtp-sync) timeout 560 python3 bench/v4_mtp_gpu.py --ks 1,3 --acceptance 0,0.5,0.8,0.9,1 --compare-sync --out "$OUT/v4-mtp-h200-$date-sync.json" 2>&1 | grep -v "^Loading" | tail -40 ;;
     v4mtp-k23) timeout 560 python3 bench/v4_mtp_gpu.py --ks 2,3 --acceptance 0,0.8,1 --out "$OUT/v4-mtp-h200-$date-k23.json" 2>&1 | grep -v "^Loading" | tail -40 ;;
     v4dspark-b832) timeout 560 python3 bench/v4_dspark_gpu.py --batches 8,32 --acceptance 0,0.9 --out "$OUT/v4-dspark-h200-$date-b832.json" 2>&1 | grep -v "^Loading" | tail -40 ;;
     v4profile) timeout 400 python3 bench/v4_decode_profile.py --out "$OUT/v4-decode-profile-h200-$date.json" 2>&1 | grep -v "^Loading" | tail -50 ;;

@@ -21,6 +21,9 @@ Rows:
                    (where the mtp rows' verify steps are pipelined and the verify rows' are
                    not, draft_ms also holds what pipelining saves); pipelined_steps = how many
                    of the row's verify steps were pipelined
+  mtp-sync-kK-aA-bB  (``--compare-sync``) the same with pipelined_verify_kv_groups off in the same
+                   run: synchronous verify steps, the host deciding between steps;
+                   pipelined_over_sync = the mtp row's output tok/s over this row's
 The anchors' acceptance is marked: DeepSeek-V3's MTP takes 85-90% of second tokens; about 3.1
 accepted tokens per step with 3 drafts are reported for V4 (a ~ 0.85 per draft).
 
@@ -164,10 +167,13 @@ def run_method(result: dict[str, Any], path: str, device: str, method: str, k: i
     and batch. Returns the engine (None where it could not be built: the error is recorded)."""
     on_gpu = device.startswith("cuda")
     speculating = method not in ("none", "verify")
+    if method == "mtp-sync":
+        settings = dict(settings, pipelined_verify_kv_groups=False)
     if speculating:
         DEVICE_ACCEPTANCE.install(device)  # before the engine captures its verify-step graphs
     try:
-        engine = make_engine(path, device, {"verify": "ngram"}.get(method, method), k, max(batches), **settings)
+        engine = make_engine(path, device, {"verify": "ngram", "mtp-sync": "mtp"}.get(method, method), k,
+                             max(batches), **settings)
     except Exception as exc:  # noqa: BLE001 - record and go on
         result["errors"][f"{method}-k{k}"] = repr(exc)
         DEVICE_ACCEPTANCE.uninstall()
@@ -212,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batches", help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--ks", help="comma-separated draft lengths (default 1,2,3)")
     parser.add_argument("--acceptance", help="comma-separated set acceptances (default 0,0.5,0.8,1)")
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="also mtp-sync rows: the MTP engines with synchronous verify steps, same run")
     parser.add_argument("--sync-verify", action="store_true",
                         help="pipelined_verify_kv_groups off: V4's verify steps synchronous (the default before it)")
     args = parser.parse_args(argv)
@@ -237,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = result["rows"]
     with tempfile.TemporaryDirectory() as path:
         write_model_dir(path, config)
-        for method, k in [("none", 0)] + [(method, k) for k in ks for method in ("verify", "mtp")]:
+        methods = ("verify", "mtp", "mtp-sync") if args.compare_sync else ("verify", "mtp")
+        for method, k in [("none", 0)] + [(method, k) for k in ks for method in methods]:
             engine = run_method(result, path, args.device, method, k, acceptance, batches, prompt, new)
             del engine
             gc.collect()  # an engine's cycles would keep its KV cache: the next engine's budget
@@ -253,9 +262,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 idle["draft_ms"] = idle["step_ms"] - verify["step_ms"]
                 idle["draft_over_decode"] = idle["draft_ms"] / none["step_ms"]
             for a in acceptance:
-                row = rows.get(f"mtp-k{k}-a{a}-b{batch}")
-                if none and row:
-                    row["speedup_over_none"] = row["output_tok_s"] / none["output_tok_s"]
+                row, sync = rows.get(f"mtp-k{k}-a{a}-b{batch}"), rows.get(f"mtp-sync-k{k}-a{a}-b{batch}")
+                for r in (row, sync):
+                    if none and r:
+                        r["speedup_over_none"] = r["output_tok_s"] / none["output_tok_s"]
+                if row and sync:
+                    row["pipelined_over_sync"] = row["output_tok_s"] / sync["output_tok_s"]
     write_result(args.out, result)
     if result["errors"]:
         print("errors:", json.dumps(result["errors"], indent=1))

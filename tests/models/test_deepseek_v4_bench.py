@@ -102,3 +102,48 @@ def test_v4_dspark_bench_tiny_run(tmp_path) -> None:
     # asked for (the bench's default), the block graphs cannot be captured on a CPU: said, and counted
     assert "the device is cpu" in paths["draft_graphs"] and paths["graph_blocks"] == 0 and paths["eager_blocks"] > 0
     assert step_loop.accepted_length is spec_decode.accepted_length
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test (the GPU runs the real script)")
+def test_v4_mtp_bench_compares_synchronous_verify_steps_in_the_same_run(tmp_path) -> None:
+    """``--compare-sync``: beside each MTP engine, one with pipelined_verify_kv_groups off (its
+    verify steps synchronous, said in its fast paths), rows of their own, and the pipelined row's
+    ratio over it."""
+    import bench.v4_mtp_gpu as bench
+
+    result = bench.main(["--tiny", "--device", "cpu", "--compare-sync", "--ks", "1", "--batches", "1",
+                         "--out", str(tmp_path / "v4-mtp-sync.json")])
+    assert not result["errors"], result["errors"]
+    rows = result["rows"]
+    assert {"mtp-k1-a1.0-b1", "mtp-sync-k1-a1.0-b1", "mtp-sync-k1-a0.0-b1"} <= rows.keys()
+    assert rows["mtp-sync-k1-a1.0-b1"]["tokens_per_step"] == 2.0 and rows["mtp-sync-k1-a1.0-b1"]["step_ms"] > 0
+    pipelined, sync = rows["mtp-k1-a1.0-b1"], rows["mtp-sync-k1-a1.0-b1"]
+    assert pipelined["pipelined_over_sync"] == pytest.approx(pipelined["output_tok_s"] / sync["output_tok_s"])
+    assert "speedup_over_none" in sync
+    assert "pipelined_verify_kv_groups is off" in result["fast_paths"]["mtp-sync-k1"]["spec_pipeline_status"]
+    assert "pipelined_verify_kv_groups is off" not in result["fast_paths"]["mtp-k1"]["spec_pipeline_status"]
+
+
+def test_v4_mtp_speedup_plot_marks_the_anchors(tmp_path) -> None:
+    """bench/plot_v4_mtp.py on a committed GPU result: a panel per batch, a curve per draft length
+    (synchronous rows apart from pipelined ones), the anchors' acceptance read right (3.1 tokens a
+    step at k = 3 is a per-draft acceptance of about 0.83), the PNG written; a result without MTP
+    rows is refused."""
+    import os
+
+    import bench.plot_v4_mtp as plot
+
+    assert plot.per_draft_acceptance(3.1, 3) == pytest.approx(0.8317, abs=1e-3)
+    assert plot.per_draft_acceptance(4.0, 3) == pytest.approx(1.0, abs=1e-9)
+    result = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results",
+                                         "v4-mtp-h100-2026-12-05-pipelined.json")))
+    result["rows"]["mtp-sync-k3-a1.0-b1"] = {"speedup_over_none": 0.9}
+    drawn = plot.plot(result, str(tmp_path / "speedup.png"))
+    assert (tmp_path / "speedup.png").stat().st_size > 10_000
+    assert drawn["batches"] == [1, 8, 32] and drawn["v3_band"] == [0.85, 0.9]
+    curve = drawn["curves"][1]["mtp-k3"]
+    assert [a for a, _ in curve] == [0.0, 0.5, 0.8, 1.0]
+    assert curve[-1][1] == pytest.approx(result["rows"]["mtp-k3-a1.0-b1"]["speedup_over_none"])
+    assert drawn["curves"][1]["mtp-sync-k3"] == [(1.0, 0.9)]
+    with pytest.raises(ValueError, match="no mtp"):
+        plot.plot({"rows": {"none-b1": {"step_ms": 1.0}}}, str(tmp_path / "none.png"))
