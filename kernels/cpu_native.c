@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <float.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,7 +35,7 @@
  * (20 and 34 bytes per block, GGUF's sizes.) The scales come apart from the codes so that they convert
  * 8 at a time, and first, so that a row is read front to back (the hardware prefetcher's pattern). */
 
-int pd_native_abi(void) { return 6; }
+int pd_native_abi(void) { return 7; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -84,6 +85,36 @@ static int quantize_x(const float *x, int64_t m, int64_t k, act16 *a) {
                                 _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * j], q[2 * j + 1]), 0xD8));
         a->e[rb] = mx / QMAX;
         a->s[rb] = a->e[rb] * (float)_mm_cvtsi128_si32(s4);
+    }
+    return 0;
+}
+
+/* y [m, k] = x rounded as quantize_x rounds it, back in float32: per block of 32,
+ * round(x * (QMAX * (1 / amax))) * (amax / QMAX) (each operation rounded on its own, half to even),
+ * the numbers a many-row GEMM over the dequantized weight takes to give the kernels' products
+ * (round_activations_ref's, bit for bit; quantize_x divides once, which can move a code at a half). */
+int pd_round_activations(const float *x, int64_t m, int64_t k, float *y, int threads) {
+    if (k % QK != 0 || m < 0) return -1;
+    const int64_t blocks = m * (k / QK);
+#pragma omp parallel for num_threads(threads) schedule(static) if (blocks >= 512)
+    for (int64_t rb = 0; rb < blocks; rb++) {
+        const float *src = x + rb * QK;
+        float *dst = y + rb * QK;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(src + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_max_ss(t, _mm_movehdup_ps(t));
+        const float mx = _mm_cvtss_f32(t);
+        /* QMAX * (1 / amax), as the torch reference computes QMAX / amax (reciprocal, then product) */
+        const __m256 inv = _mm256_set1_ps(mx > 0.0f ? QMAX * (1.0f / fmaxf(mx, FLT_MIN)) : 0.0f), e = _mm256_set1_ps(mx / QMAX);
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_ps(dst + 8 * j, _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(v[j], inv),
+                                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), e));
     }
     return 0;
 }

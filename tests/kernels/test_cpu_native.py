@@ -61,6 +61,28 @@ def test_activations_round_to_16_bits_per_block():
 
 
 @native
+@pytest.mark.parametrize("rows", [0, 1, 7, 64])  # 64 x 18 blocks: the threaded loop
+def test_native_activation_rounding_equals_the_reference_bit_for_bit(rows):
+    """``pd_round_activations`` (what the many-row GEMMs are fed) gives the torch reference's
+    numbers exactly: zero blocks, huge and tiny magnitudes, halves that round to even, other
+    dtypes and strided input included."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g) * torch.logspace(-30, 30, 576)[None, :]
+    if rows:
+        x[0, :32] = 0
+        x[0, 32:64] = torch.arange(32) * 0.5
+        x[-1, 64:96] = torch.tensor([32767.0, -0.5, 0.5, 1.5, 2.5] + [0.0] * 27)  # e = 1: codes at halves
+        x[-1, 96:128] = torch.full((32,), 1e-35) * torch.arange(32)  # near the smallest finite 32767 / amax
+    ref = cpu_native.round_activations_ref(x)
+    assert torch.equal(cpu_native.round_activations(x), ref)
+    assert torch.equal(cpu_native.round_activations(x.to(torch.bfloat16)), cpu_native.round_activations_ref(
+        x.to(torch.bfloat16)))
+    wide = torch.zeros(rows, 1152)
+    wide[:, ::2] = x  # a strided view
+    assert torch.equal(cpu_native.round_activations(wide[:, ::2]), ref)
+
+
+@native
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("k", [32, 96, 576])  # 1 block, an odd count (the unrolled loop's tail), SmolLM2's
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])  # each row count's unrolled path and the passes of 4
