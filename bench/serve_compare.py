@@ -50,6 +50,25 @@ def wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 600) ->
     raise TimeoutError(url)
 
 
+def first_completion(url: str, proc: subprocess.Popen[str], timeout: float = 600) -> str:
+    """The served model's id, once a one-token completion through the whole path answers 200
+    (``/health`` may answer before every replica has loaded its engine)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            reply = httpx.post(f"{url}/v1/completions", timeout=60,
+                               json={"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0})
+            if reply.status_code == 200:
+                return model
+        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
 def start(kind: str, model: str, port: int, backend: str) -> subprocess.Popen[str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
@@ -84,10 +103,14 @@ def _workload(args: argparse.Namespace) -> dict[str, Any]:
 def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     port = args.port
     url = f"http://127.0.0.1:{port}"
+    began = time.perf_counter()
     proc = start(kind, args.model, port, args.kv_transfer)
     try:
         wait_healthy(url, proc)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        healthy_s = time.perf_counter() - began
+        model = first_completion(url, proc)
+        startup = {"healthy_s": healthy_s, "first_token_s": time.perf_counter() - began}
+        print(f"{kind}: /health after {healthy_s:.1f}s, first completion after {startup['first_token_s']:.1f}s")
         common = dict(base_url=url, model=model, **_workload(args))
         probe = run_benchmark(BenchConfig(**common, num_requests=args.probe_requests, concurrency=1,
                                           label=f"{kind}-probe"))
@@ -95,7 +118,7 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                                          label=f"{kind}-load"))
         probe.pop("requests", None)  # the load runs keep theirs, for the plot
         print(f"{kind}: probe TTFT p50 {probe['ttft_s']['p50']:.3f}s, load {load['output_token_throughput_tps']:.1f} tok/s")
-        return {"probe": probe, "load": load}
+        return {"startup": startup, "probe": probe, "load": load}
     finally:
         stop(proc)
         time.sleep(3)
@@ -153,6 +176,9 @@ def main() -> None:
         "load_goodput_rps": {k: v["load"]["goodput_rps"] for k, v in runs.items()},
         "load_ttft_p50_s": {k: v["load"]["ttft_s"]["p50"] for k, v in runs.items()},
         "load_itl_p50_s": {k: v["load"]["itl_s"]["p50"] for k, v in runs.items()},
+        # from starting the server (``serve run cluster.app`` for colocated / disagg) to /health
+        # answering and to its first one-token completion
+        "startup_s": {k: v["startup"] for k, v in runs.items()},
     }
     result = {"benchmark": "serve-disagg-vs-colocated", "model": args.model, "kv_transfer": args.kv_transfer,
               "command": " ".join(sys.argv), "environment": environment(), "summary": summary, "offline": offline, "runs": runs,
