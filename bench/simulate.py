@@ -97,6 +97,11 @@ class Costs:
     startup_s: float = 60.0
     max_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    #: Of the tokens a stream carries, the share that brings no text of its own (a piece of a
+    #: character, text held back): the client's chunk then carries it with the next token, so
+    #: that chunk's gap spans two steps. The benchmark's ITL is per text chunk; TPOT per token.
+    #: 0: every token its own chunk.
+    textless_token_share: float = 0.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
@@ -457,7 +462,11 @@ class Simulation:
             steps = dt / step
             gain = steps[reps]
             self.generated[active] += gain
-            np.add.at(self.itl_hist, self._itl_bin(step[reps]), gain)
+            q = self.c.textless_token_share  # a text chunk per token, but for the textless ones,
+            # whose gaps merge with the next token's: of a token's (1 - q) chunks, q span two steps
+            np.add.at(self.itl_hist, self._itl_bin(step[reps]), gain * (1.0 - 2.0 * q))
+            if q > 0:
+                np.add.at(self.itl_hist, self._itl_bin(2.0 * step[reps]), gain * q)
             done = self.generated[active] >= self.r["output"][active]
             for rid in active[done]:
                 over = (self.generated[rid] - self.r["output"][rid]) / max(gain[np.searchsorted(active, rid)], 1e-9)

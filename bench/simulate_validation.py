@@ -204,7 +204,11 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
     with open(engine_path) as f:
         engine = dict(json.load(f), _file=os.path.basename(engine_path))
     rows = {(mode, phase): serve["runs"][mode][phase] for mode in CPU_SERVE_MODES for phase in ("probe", "load")}
-    costs = fit_constants(cpu_costs(engine), CPU_FITS, args, lambda key: measured(rows[key]),
+    # the stream's textless tokens, from the colocated probe (one request at a time, so every gap
+    # is one step or two): ITL mean / TPOT mean = 1 / (1 - share); neither mean is a compared metric
+    probe = rows[("colocated", "probe")]
+    share = min(0.45, max(0.0, 1.0 - probe["tpot_s"]["mean"] / probe["itl_s"]["mean"]))
+    costs = fit_constants(dataclasses.replace(cpu_costs(engine), textless_token_share=share), CPU_FITS, args, lambda key: measured(rows[key]),
                           lambda c, key: simulate_cpu(c, rows[key], key[0], args.seeds))
     out_rows: dict[str, Any] = {}
     predicted: list[float] = []
@@ -221,6 +225,7 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
                           "residual": residual}
         print(name, {k: None if v is None else round(v, 3) for k, v in residual.items()})
     fitted = {attr: getattr(costs, attr) for attr, *_ in CPU_FITS}
+    fitted["textless_token_share"] = costs.textless_token_share
     return {"benchmark": "simulator-validation-cpu", "environment": environment(), "serve_file": os.path.basename(path),
             "engine_file": engine["_file"], "fitted": fitted, "costs": dataclasses.asdict(costs),
             "predicted_abs_residual": abs_residual_summary(predicted),
@@ -229,7 +234,9 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
                     "load; 10 and 32 requests, 256 +- 50% prompt tokens, 32 out); fitted: the serving host's time "
                     "per step (colocated ITL p50 at concurrency 1) and per running sequence (at 8), a first token's "
                     "fixed host path and the prefill time per token (colocated TTFT p50 and p90 at 1) and the "
-                    "disaggregated hand-over (disaggregated TTFT p50 at 1); every other number (the ITL p90s, TPOT, "
+                    "disaggregated hand-over (disaggregated TTFT p50 at 1); the share of streamed tokens that bring no "
+                    "text (their chunk's gap spans two steps; ITL is per text chunk) from the colocated probe's ITL mean "
+                    "over its TPOT mean (neither a compared metric); every other number (the ITL p90s, TPOT, "
                     "the disaggregated ITLs, both runs' TTFT at 8) is a prediction. The decode compute is the engine's measured step time by batch. Disaggregated: "
                     "prefill and decode replicas time-slice the same two cores. Goodput fractions are reported but "
                     "not counted in the residual summary (a fraction of 10 or 32 requests)."}

@@ -126,3 +126,18 @@ def test_closed_loop_clients_keep_their_concurrency():
     times = np.linspace(0.0, float(finished.max()), 400)
     in_flight = [int(((arrival <= t) & (finished > t)).sum()) for t in times]
     assert max(in_flight) == 3
+
+
+def test_textless_tokens_merge_their_gaps_with_the_next_token():
+    """ITL is per text chunk: with a share q of tokens bringing no text, q of a token's chunks
+    span two steps, the ITL p90 moves to two steps once q / (1 - q) passes a tenth, and the
+    per-token TPOT and the p50 stay as they were."""
+    import dataclasses
+    costs = _costs()
+    reqs = make_requests([Phase(10.0, 1.0, "chat")], seed=4)
+    plain = Simulation(costs, reqs, prefill=1, decode=1, dt=0.005, concurrency=1).run()
+    merged = Simulation(dataclasses.replace(costs, textless_token_share=0.15), reqs, prefill=1, decode=1, dt=0.005,
+                        concurrency=1).run()
+    assert plain["itl_p90"] < 1.1 * plain["itl_p50"]
+    assert merged["itl_p50"] == plain["itl_p50"] and merged["tpot_p50"] == plain["tpot_p50"]
+    assert 1.8 * plain["itl_p90"] < merged["itl_p90"] < 2.2 * plain["itl_p90"]
