@@ -52,6 +52,20 @@ typedef struct {
     void *mem;
 } act16;
 
+/* A block of 32 floats into v, and its largest magnitude. */
+static inline float load_block(const float *src, __m256 v[4]) {
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(src + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_movehdup_ps(t));
+    return _mm_cvtss_f32(t);
+}
+
 static int quantize_x(const float *x, int64_t m, int64_t k, act16 *a) {
     const int64_t nb = k / QK;
     a->mem = malloc((size_t)(m * nb) * (QK * sizeof(int16_t) + 2 * sizeof(float)) + 64);
@@ -61,16 +75,8 @@ static int quantize_x(const float *x, int64_t m, int64_t k, act16 *a) {
     a->s = a->e + m * nb;
     for (int64_t rb = 0; rb < m * nb; rb++) {
         const float *src = x + rb * QK; /* rows are contiguous: block rb of the flattened rows */
-        __m256 v[4], amax = _mm256_setzero_ps();
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(src + 8 * j);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-        }
-        __m128 t = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_max_ss(t, _mm_movehdup_ps(t));
-        const float mx = _mm_cvtss_f32(t);
+        __m256 v[4];
+        const float mx = load_block(src, v);
         const __m256 inv = _mm256_set1_ps(mx > 0.0f ? QMAX / mx : 0.0f);
         __m256i q[4];
         for (int j = 0; j < 4; j++)
@@ -100,16 +106,8 @@ int pd_round_activations(const float *x, int64_t m, int64_t k, float *y, int thr
     for (int64_t rb = 0; rb < blocks; rb++) {
         const float *src = x + rb * QK;
         float *dst = y + rb * QK;
-        __m256 v[4], amax = _mm256_setzero_ps();
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(src + 8 * j);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-        }
-        __m128 t = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_max_ss(t, _mm_movehdup_ps(t));
-        const float mx = _mm_cvtss_f32(t);
+        __m256 v[4];
+        const float mx = load_block(src, v);
         /* QMAX * (1 / amax), as the torch reference computes QMAX / amax (reciprocal, then product) */
         const __m256 inv = _mm256_set1_ps(mx > 0.0f ? QMAX * (1.0f / fmaxf(mx, FLT_MIN)) : 0.0f), e = _mm256_set1_ps(mx / QMAX);
         for (int j = 0; j < 4; j++)
