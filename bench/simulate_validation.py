@@ -208,8 +208,8 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
     # is one step or two): ITL mean / TPOT mean = 1 / (1 - share); neither mean is a compared metric
     probe = rows[("colocated", "probe")]
     share = min(0.45, max(0.0, 1.0 - probe["tpot_s"]["mean"] / probe["itl_s"]["mean"]))
-    costs = fit_constants(dataclasses.replace(cpu_costs(engine), textless_token_share=share), CPU_FITS, args, lambda key: measured(rows[key]),
-                          lambda c, key: simulate_cpu(c, rows[key], key[0], args.seeds))
+    costs = fit_constants(dataclasses.replace(cpu_costs(engine), textless_token_share=share), CPU_FITS, args,
+                          lambda key: measured(rows[key]), lambda c, key: simulate_cpu(c, rows[key], key[0], args.seeds))
     out_rows: dict[str, Any] = {}
     predicted: list[float] = []
     for (mode, phase), row in rows.items():
