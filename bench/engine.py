@@ -183,9 +183,14 @@ def main() -> None:
     bytes_q, bytes_f32 = weight_bytes_per_token(llm), weight_bytes_per_token(exact)
     results: dict[str, object] = {
         "benchmark": "engine-offline", "model": "SmolLM2-135M-Instruct (GGUF: Q4_1 projections, Q8_0 embedding)",
-        "paths": {"ours": ("default on a CPU: Q4_1 projections and the tied Q8_0 logits kept in the file's blocks, "
-                           "the native AVX2 kernels (kernels/cpu_native.c) for fewer than 16 rows, a float32 GEMM "
-                           "over their exact dequantization from 16 on; float32 elsewhere"
+        "paths": {"ours": ("default on a CPU: Q4_1 projections and the tied Q8_0 logits kept 4- and 8-bit, repacked "
+                           "for the native AVX-512 VNNI kernel (kernels/cpu_native.c), which takes every row count; "
+                           "float32 elsewhere"
+                           if cpu_native.vnni_available() else
+                           "default on a CPU: Q4_1 projections and the tied Q8_0 logits kept in the file's blocks, "
+                           "the native AVX2 kernels (kernels/cpu_native.c) for fewer than 32 rows, a float32 GEMM "
+                           "over their exact dequantization from 32 on (the VNNI kernel does not run here: "
+                           f"{cpu_native.vnni_status()[1]}); float32 elsewhere"
                            if cpu_native.available() else
                            "default on a CPU: Q4_1 projections kept 4-bit (torch _weight_int4pack_mm_for_cpu), tied "
                            f"Q8_0 logits int8 per row (_weight_int8pack_mm), float32 elsewhere; the native kernels "

@@ -35,7 +35,7 @@
  * (20 and 34 bytes per block, GGUF's sizes.) The scales come apart from the codes so that they convert
  * 8 at a time, and first, so that a row is read front to back (the hardware prefetcher's pattern). */
 
-int pd_native_abi(void) { return 7; }
+int pd_native_abi(void) { return 8; }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -475,4 +475,169 @@ int pd_decode_attention_layer(const pd_attn *a, const float *qkv, int64_t qkv_st
                               void *k_cache, void *v_cache, float *out) {
     const int rc = pd_rope_kv_write(a, qkv, qkv_stride, q_buf, k_cache, v_cache);
     return rc != 0 ? rc : pd_decode_attention(a, q_buf, a->hq * a->d, k_cache, v_cache, out);
+}
+
+/* ---- The same matmuls on AVX-512 VNNI: integer dot products four bytes at a time ----
+ *
+ * vpmaddwd above spends a float conversion and a multiply-add on every block of 32 products of every
+ * (row, output feature) pair, on the same pipes as the products themselves: about 10 multiply-adds a
+ * cycle on an AVX-512 core, no faster than a float32 GEMM. Here the lanes of a register are 16 output
+ * features instead, so a block's 32 products per feature accumulate in int32 (vpdpbusd: 4 byte
+ * products a lane) and the float work is one conversion and one multiply-add per block for 16 features.
+ *
+ * The weights are repacked once at load (pd_vnni_pack), per group of 16 output features and per block:
+ *   codes [8][16][4] uint8 | d [16] float32 | m [16] float32                (VNNI_BLOCK = 640 bytes)
+ * code (t, f, i) is feature f's code for input 4 t + i of the block: Q4_1's 0..15, Q8_0's q + 128
+ * (vpdpbusd multiplies unsigned by signed bytes; sum(q p) = sum((q + 128) p) - 128 sum(p)).
+ * The activations keep 16-bit codes per block of 32, p in -32639..32639 (QMAX_VNNI = 127 * 256 + 127),
+ * split as p = 256 h + l with h in -127..127 and l in -128..127: two vpdpbusd, then 256 acc_h + acc_l,
+ * the exact sum(q p) (Q4_1: |sum| < 2^24, exact in float32; Q8_0's may round once, in float32).
+ *
+ * Each output is then, whatever the rows or their number (a batch of 1 and of 256 alike, threads too):
+ *   acc = 0; for each block b in order: acc = fma(float(sum_b(q p)), d[b] * e[b], acc)
+ *   Q4_1: accm = 0; for each b: accm = fma(m[b], s[b], accm); out = acc + accm   (s[b] = e[b] sum_b(p))
+ * so a request's numbers never depend on the batch it shares a step with: one kernel for every row
+ * count, no crossover to a GEMM. */
+
+#define QMAX_VNNI 32639.0f
+#define VG 16                              /* output features per group: a register's lanes */
+#define VNNI_BLOCK (QK * VG + 2 * VG * 4)  /* bytes per (group, block) */
+#define VMR 4                              /* activation rows per pass over a group */
+
+int pd_vnni_block_bytes(void) { return VNNI_BLOCK; }
+
+/* Blocks (Q4_1 where q4, else Q8_0; the layouts at the top) of n features into out
+ * [ceil(n / 16)][nb][VNNI_BLOCK] (features past n: zero codes and scales). */
+int pd_vnni_pack(const void *weight, int64_t n, int64_t k, int q4, uint8_t *out) {
+    if (k % QK != 0 || n <= 0) return -1;
+    const int64_t nb = k / QK, row_bytes = nb * (q4 ? 20 : 34), groups = (n + VG - 1) / VG;
+    memset(out, 0, (size_t)(groups * nb * VNNI_BLOCK));
+    for (int64_t f = 0; f < n; f++) {
+        const uint16_t *d = (const uint16_t *)((const uint8_t *)weight + f * row_bytes);
+        const uint16_t *mn = q4 ? d + nb : NULL;
+        const uint8_t *qs = (const uint8_t *)(d + (q4 ? 2 * nb : nb));
+        const int64_t g = f / VG, lane = f % VG;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = out + (g * nb + b) * VNNI_BLOCK;
+            for (int j = 0; j < QK; j++) {
+                const uint8_t code = q4 ? (uint8_t)(j < 16 ? qs[16 * b + j] & 0x0F : qs[16 * b + j - 16] >> 4)
+                                        : (uint8_t)((int)((const int8_t *)qs)[QK * b + j] + 128);
+                blk[((j / 4) * VG + lane) * 4 + j % 4] = code;
+            }
+            float *dv = (float *)(blk + QK * VG);
+            dv[lane] = _cvtsh_ss(d[b]);
+            dv[VG + lane] = q4 ? _cvtsh_ss(mn[b]) : 0.0f;
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    int8_t *h, *l;  /* [m][nb][32]: p = 256 h + l */
+    float *e, *s;   /* [m][nb]: the scale, and e * sum(p) */
+    int32_t *ps;    /* [m][nb]: sum(p) */
+    void *mem;
+} act_split;
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
+static int quantize_split(const float *x, int64_t m, int64_t k, act_split *a, int threads) {
+    const int64_t n = m * (k / QK);
+    a->mem = malloc((size_t)n * (2 * QK + 12) + 64);
+    if (a->mem == NULL) return -2;
+    a->h = (int8_t *)a->mem;
+    a->l = a->h + n * QK;
+    a->e = (float *)(a->l + n * QK);
+    a->s = a->e + n;
+    a->ps = (int32_t *)(a->s + n);
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 512)
+    for (int64_t rb = 0; rb < n; rb++) {
+        const float *src = x + rb * QK;
+        const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(mx > 0.0f ? QMAX_VNNI * (1.0f / mx) : 0.0f);
+        const __m512i p0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m512i p1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m512i c128 = _mm512_set1_epi32(128);
+        const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(p0, c128), 8), h1 = _mm512_srai_epi32(_mm512_add_epi32(p1, c128), 8);
+        const __m512i l0 = _mm512_sub_epi32(p0, _mm512_slli_epi32(h0, 8)), l1 = _mm512_sub_epi32(p1, _mm512_slli_epi32(h1, 8));
+        _mm_storeu_si128((__m128i *)(a->h + rb * QK), _mm512_cvtepi32_epi8(h0));
+        _mm_storeu_si128((__m128i *)(a->h + rb * QK + 16), _mm512_cvtepi32_epi8(h1));
+        _mm_storeu_si128((__m128i *)(a->l + rb * QK), _mm512_cvtepi32_epi8(l0));
+        _mm_storeu_si128((__m128i *)(a->l + rb * QK + 16), _mm512_cvtepi32_epi8(l1));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(p0, p1));
+        a->e[rb] = mx / QMAX_VNNI;
+        a->ps[rb] = sum;
+        a->s[rb] = a->e[rb] * (float)sum;
+    }
+    return 0;
+}
+
+/* Outputs [mr rows][the group's 16 features] (ncols of them real) from a group's blocks. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline void vnni_tile(const uint8_t *wg, int64_t nb, const act_split *a, int64_t r0, const int mr,
+                             const int q4, float *y, int64_t ystride, int64_t ncols) {
+    __m512 acc[VMR], accm[VMR];
+    for (int r = 0; r < mr; r++) acc[r] = accm[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * VNNI_BLOCK;
+        __m512i ih[VMR], il[VMR];
+        for (int r = 0; r < mr; r++) ih[r] = il[r] = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(blk + 64 * t));
+            for (int r = 0; r < mr; r++) {
+                const int64_t o = ((r0 + r) * nb + b) * QK + 4 * t;
+                int32_t h4, l4;
+                memcpy(&h4, a->h + o, 4);
+                memcpy(&l4, a->l + o, 4);
+                ih[r] = _mm512_dpbusd_epi32(ih[r], w, _mm512_set1_epi32(h4));
+                il[r] = _mm512_dpbusd_epi32(il[r], w, _mm512_set1_epi32(l4));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps((const float *)(blk + QK * VG));
+        const __m512 mn = _mm512_loadu_ps((const float *)(blk + QK * VG + 64));
+        for (int r = 0; r < mr; r++) {
+            const int64_t rb = (r0 + r) * nb + b;
+            __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(ih[r], 8), il[r]);
+            if (!q4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * a->ps[rb]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a->e[rb])), acc[r]);
+            if (q4) accm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->s[rb]), accm[r]);
+        }
+    }
+    const __mmask16 keep = ncols >= VG ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1);
+    for (int r = 0; r < mr; r++)
+        _mm512_mask_storeu_ps(y + r * ystride, keep, q4 ? _mm512_add_ps(acc[r], accm[r]) : acc[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void vnni_group(const uint8_t *wg, int64_t nb, const act_split *a, int64_t m, const int q4, float *y,
+                       int64_t n, int64_t ncols) {
+    for (int64_t r0 = 0; r0 < m; r0 += VMR) {
+        const int mr = (int)(m - r0 < VMR ? m - r0 : VMR);
+        float *out = y + r0 * n;
+        switch (mr) { /* constant row counts, so each loop unrolls into registers */
+        case 1: vnni_tile(wg, nb, a, r0, 1, q4, out, n, ncols); break;
+        case 2: vnni_tile(wg, nb, a, r0, 2, q4, out, n, ncols); break;
+        case 3: vnni_tile(wg, nb, a, r0, 3, q4, out, n, ncols); break;
+        default: vnni_tile(wg, nb, a, r0, VMR, q4, out, n, ncols); break;
+        }
+    }
+}
+
+/* y [m, n] = x [m, k] @ W^T for W repacked by pd_vnni_pack from Q4_1 (q4) or Q8_0 blocks. */
+int pd_vnni_matmul(const uint8_t *packed, int64_t n, int64_t k, const float *x, int64_t m, float *y, int threads,
+                   int q4) {
+    if (k % QK != 0 || n <= 0 || m <= 0) return -1;
+    const int64_t nb = k / QK, groups = (n + VG - 1) / VG;
+    act_split a;
+    if (quantize_split(x, m, k, &a, threads) != 0) return -2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wg = packed + g * nb * VNNI_BLOCK;
+        if (q4)
+            vnni_group(wg, nb, &a, m, 1, y + g * VG, n, n - g * VG);
+        else
+            vnni_group(wg, nb, &a, m, 0, y + g * VG, n, n - g * VG);
+    }
+    free(a.mem);
+    return 0;
 }

@@ -21,7 +21,8 @@ calls take the native kernel instead (float32 in and out, activations rounded to
 of 32; about 2x faster than the int4 kernel at one row on an AVX2 core, and closer to float32).
 Its ``dense`` copy is then the blocks' exact float32, fed the same rounded activations, so a
 many-row GEMM computes the native kernel's numbers up to the order of its sums: a request's tokens
-do not depend on how many rows share its step.
+do not depend on how many rows share its step. Where the native VNNI kernel runs (AVX-512 VNNI), it
+takes every row count and no dense copy is kept: the same numbers whatever the rows, bit for bit.
 
 Both kernels cost about one pass over the weight per 4-8 rows of activations (their time grows
 with the rows: 12x from 1 to 32 rows for a [3072, 576] projection on this machine's AVX-512 core),
@@ -170,8 +171,10 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     if group_size != cpu_native.QK:
         raise ValueError(f"the native kernel takes groups of {cpu_native.QK}, not {group_size}")
     blocks = cpu_native.pack_q4_1(codes, scale, minimum)
-    # Beside the native kernel, the dense copy is the blocks' exact float32 (see ``q4_matmul``).
-    return Q4Weight(packed, scales_zeros, group_size, n, k, cpu_native.dequantize(blocks) if dense else None, blocks)
+    # Beside the native kernel, the dense copy is the blocks' exact float32 (see ``q4_matmul``); the VNNI
+    # kernel takes every row count (faster than the GEMM at 256 rows too), so it needs none.
+    dense_copy = cpu_native.dequantize(blocks) if dense and blocks.vnni is None else None
+    return Q4Weight(packed, scales_zeros, group_size, n, k, dense_copy, blocks)
 
 
 def q4_dequantize_ref(codes: torch.Tensor, weight: Q4Weight) -> torch.Tensor:
@@ -223,7 +226,8 @@ def pack_q8_rows(weight: torch.Tensor, dense: bool = False, native: bool = False
         dense_copy = q8_dequantize_ref(q8).to(torch.bfloat16).to(dense_dtype()).contiguous() if dense else None
         return Q8Weight(q8.codes, q8.scales, dense_copy)
     blocks = cpu_native.pack_q8_0(w)
-    return Q8Weight(q8.codes, q8.scales, cpu_native.dequantize(blocks) if dense else None, blocks)
+    return Q8Weight(q8.codes, q8.scales, cpu_native.dequantize(blocks) if dense and blocks.vnni is None else None,
+                    blocks)
 
 
 def q8_dequantize_ref(weight: Q8Weight) -> torch.Tensor:

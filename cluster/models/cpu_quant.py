@@ -76,9 +76,17 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
         packed += 1
         q4_bytes += weight.nbytes
         dense_bytes += weight.dense.numel() * weight.dense.element_size() if weight.dense is not None else 0
-    if native:
+    vnni, vnni_why = cpu_native.vnni_status()
+    if native and vnni:
+        few = (f"the native VNNI kernel over the file's Q4_1 blocks repacked for 16 output features a register "
+               f"({q4_bytes / 2**20:.0f} MiB; float16 scales and minimums as stored, activations "
+               f"rounded to 16 bits per block of 32, AVX-512 VNNI integer dot products)")
+        many = ("every row count takes it (decode steps, batches and prompt chunks alike: a row's numbers never "
+                "depend on the rows beside it)")
+    elif native:
         few = (f"the native Q4_1 kernel over the file's blocks ({q4_bytes / 2**20:.0f} MiB; float16 scales and "
-               f"minimums as stored, activations rounded to 16 bits per block of 32, AVX2 integer dot products)")
+               f"minimums as stored, activations rounded to 16 bits per block of 32, AVX2 integer dot products"
+               f"; not the VNNI kernel: {vnni_why})")
         many = (f"from {dense_from_rows(True)} rows of activations on, a float32 GEMM over the blocks' exact "
                 f"dequantization ({dense_bytes / 2**20:.0f} MiB) fed the same rounded activations: the native "
                 f"kernel's numbers in another order of sums")
@@ -89,7 +97,8 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
                 f"({dense_bytes / 2**20:.0f} MiB, a GEMM that costs about the same for 4 rows as for 32"
                 f"{_dense_why()})")
     rows = [{"component": "linear", "op": "linear", "format": "gguf_q4_1",
-             "impl": "native_q4_1_cpu" if native else "torch_int4pack_cpu", "device": "cpu", "role": "main",
+             "impl": ("native_vnni_q4_1_cpu" if vnni else "native_q4_1_cpu") if native else "torch_int4pack_cpu",
+             "device": "cpu", "role": "main",
              "reason": f"{packed} projections keep the file's 4-bit codes: {few}; {many}"
                        + (f"; {kept} stay float32 (shapes the kernel does not take)" if kept else "")}]
     embed_type = checkpoint.tensor_types().get("model.embed_tokens.weight", "F32")
@@ -98,7 +107,11 @@ def quantize_for_cpu(net: nn.Module, checkpoint: Any) -> list[dict[str, Any]]:
         if weight.shape[0] % 16 == 0:
             q8 = pack_q8_rows(weight, dense=True, native=native and weight.shape[1] % cpu_native.QK == 0)
             net.quantize_logits(q8)
-            if q8.native is not None:
+            if q8.native is not None and q8.native.vnni is not None:
+                impl, fmt = "native_vnni_q8_0_cpu", f"gguf_{embed_type.lower()}->q8_0"
+                reason = (f"the tied {embed_type} embedding as Q8_0 blocks ({q8.nbytes / 2**20:.0f} MiB repacked "
+                          f"for the VNNI kernel; a Q8_0 file's exactly), the native VNNI kernel for every row count")
+            elif q8.native is not None:
                 impl, fmt = "native_q8_0_cpu", f"gguf_{embed_type.lower()}->q8_0"
                 reason = (f"the tied {embed_type} embedding as Q8_0 blocks ({q8.nbytes / 2**20:.0f} MiB; a Q8_0 "
                           f"file's exactly), the native kernel; from {dense_logits_from_rows(True)} rows on, a "

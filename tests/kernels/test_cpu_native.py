@@ -11,6 +11,23 @@ from kernels import cpu_native
 from kernels.cpu_quant import linear_q8, pack_q4, pack_q8_rows, q4_matmul
 
 native = pytest.mark.skipif(not cpu_native.available(), reason=f"native CPU kernels: {cpu_native.status()[1]}")
+#: Both matmul kernels where this CPU runs them: the AVX2 one over the file's blocks, and the AVX-512
+#: VNNI one over their repacking (which new weights get where it runs).
+KERNELS = ["avx2", pytest.param("vnni", marks=pytest.mark.skipif(
+    not cpu_native.vnni_available(), reason=f"VNNI kernel: {cpu_native.vnni_status()[1]}"))]
+
+
+@pytest.fixture
+def kernel(request, monkeypatch):
+    """The kernel new weights get: ``avx2`` (PD_CPU_NATIVE_VNNI=0) or ``vnni``."""
+    name = request.param
+    if name == "avx2":
+        monkeypatch.setenv("PD_CPU_NATIVE_VNNI", "0")
+    cpu_native.vnni_status.cache_clear()
+    assert cpu_native.vnni_available() == (name == "vnni")
+    yield name
+    monkeypatch.undo()
+    cpu_native.vnni_status.cache_clear()
 
 
 def _q4(n: int, k: int, seed: int = 0):
@@ -23,7 +40,7 @@ def _q4(n: int, k: int, seed: int = 0):
 
 def test_q4_1_blocks_keep_the_codes_scales_and_minimums_exactly():
     codes, scale, minimum = _q4(16, 96)
-    blocks = cpu_native.pack_q4_1(codes, scale, minimum)
+    blocks = cpu_native.pack_q4_1(codes, scale, minimum, vnni=False)
     assert blocks.data.dtype == torch.uint8 and blocks.nbytes == 16 * 3 * 20  # GGUF's 20 bytes a block
     want = (codes.float().reshape(16, 3, 32) * scale[..., None] + minimum[..., None]).reshape(16, 96)
     assert torch.equal(cpu_native.dequantize(blocks), want)
@@ -35,7 +52,7 @@ def test_q8_0_blocks_of_a_q8_0_weight_come_back_exactly():
     q = torch.randint(-127, 128, (8, 4, 32), generator=g).float()
     q[:, :, 0] = 127  # Q8_0: each block's largest code is +-127
     weight = (q * d[..., None]).reshape(8, 128)
-    blocks = cpu_native.pack_q8_0(weight)
+    blocks = cpu_native.pack_q8_0(weight, vnni=False)
     assert blocks.nbytes == 8 * 4 * 34
     assert torch.equal(cpu_native.dequantize(blocks), weight)
 
@@ -83,11 +100,12 @@ def test_native_activation_rounding_equals_the_reference_bit_for_bit(rows):
 
 
 @native
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("k", [32, 96, 576])  # 1 block, an odd count (the unrolled loop's tail), SmolLM2's
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])  # each row count's unrolled path and the passes of 4
-def test_the_kernels_equal_their_reference(fmt, k, rows):
-    n = 48
+def test_the_kernels_equal_their_reference(kernel, fmt, k, rows):
+    n = 48 if kernel == "avx2" else 40  # VNNI: two groups of 16 features and a part group
     if fmt == "q4_1":
         blocks = cpu_native.pack_q4_1(*_q4(n, k, seed=k))
     else:
@@ -95,6 +113,7 @@ def test_the_kernels_equal_their_reference(fmt, k, rows):
     # seeded: an unseeded draw failed the 1e-5 bound once in a fresh-clone run (q4_1, k 32, 9 rows),
     # where one block's d * sum(q p) and m * sum(p) nearly cancel
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows * 1000 + k)) * 3
+    assert (blocks.vnni is not None) == (kernel == "vnni")
     got = cpu_native.matmul(x, blocks)
     ref = cpu_native.matmul_ref(x, blocks)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
@@ -105,8 +124,9 @@ def test_the_kernels_equal_their_reference(fmt, k, rows):
 
 
 @native
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, fmt):
     """Bit for bit: a request's numbers are the same alone and in any batch."""
     k, n = 576, 64
     blocks = cpu_native.pack_q4_1(*_q4(n, k)) if fmt == "q4_1" else cpu_native.pack_q8_0(torch.randn(n, k))
@@ -118,9 +138,10 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
 
 
 @native
-def test_the_kernel_splits_work_over_threads_without_changing_a_number():
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_the_kernel_splits_work_over_threads_without_changing_a_number(kernel):
     blocks = cpu_native.pack_q4_1(*_q4(96, 192))
-    x = torch.randn(5, 192)
+    x = torch.randn(70, 192)  # 70 x 6 blocks: the VNNI activation split's threaded loop too
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -132,7 +153,8 @@ def test_the_kernel_splits_work_over_threads_without_changing_a_number():
 
 
 @native
-def test_weights_with_their_blocks_take_the_native_kernel_for_few_rows_and_its_numbers_for_many():
+@pytest.mark.parametrize("kernel", ["avx2"], indirect=True)
+def test_weights_with_their_blocks_take_the_native_kernel_for_few_rows_and_its_numbers_for_many(kernel):
     codes, scale, minimum = _q4(64, 96)
     weight = pack_q4(codes, scale, minimum, dense=True, native=True)
     assert weight.native is not None and weight.dense is not None and weight.dense.dtype == torch.float32
@@ -148,6 +170,107 @@ def test_weights_with_their_blocks_take_the_native_kernel_for_few_rows_and_its_n
     assert q8.native is not None and torch.equal(linear_q8(few, q8), cpu_native.matmul(few, q8.native))
     many = torch.randn(40, 96)
     assert (linear_q8(many, q8) - cpu_native.matmul(many, q8.native)).abs().max() <= 1e-5 * linear_q8(many, q8).abs().max()
+
+
+def _unpack_vnni(blocks):
+    """The weight a VNNI repacking holds, read back from its bytes (groups of 16 features, per
+    block: codes [8][16][4], d [16], m [16] float32) -> [groups * 16, K] float32."""
+    n, k = blocks.out_features, blocks.in_features
+    nb, groups = k // 32, -(-n // 16)
+    raw = blocks.vnni.reshape(groups, nb, 640)
+    codes = raw[..., :512].reshape(groups, nb, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(groups * 16, nb, 32).float()
+    scales = raw[..., 512:].contiguous().view(torch.float32).reshape(groups, nb, 2, 16).permute(0, 3, 1, 2)
+    d, m = scales.reshape(groups * 16, nb, 2).unbind(-1)
+    if blocks.fmt == "q8_0":
+        assert (m == 0).all()
+        codes = codes - 128
+    return (codes * d[..., None] + m[..., None]).reshape(groups * 16, k)
+
+
+@native
+@pytest.mark.parametrize("kernel", ["vnni"], indirect=True)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n", [16, 40])  # whole groups; a part group (its missing features zero)
+def test_the_vnni_repacking_holds_the_blocks_weight_exactly(kernel, fmt, n):
+    if fmt == "q4_1":
+        blocks = cpu_native.pack_q4_1(*_q4(n, 96, seed=n))
+    else:
+        blocks = cpu_native.pack_q8_0(torch.randn(n, 96, generator=torch.Generator().manual_seed(n)))
+    got = _unpack_vnni(blocks)
+    assert torch.equal(got[:n], cpu_native.dequantize(blocks))
+    assert not got[n:].any()
+    assert blocks.nbytes == -(-n // 16) * 3 * 640  # what a call reads
+
+
+@native
+@pytest.mark.parametrize("kernel", ["vnni"], indirect=True)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_the_vnni_kernels_split_activation_codes_are_exact_at_their_edges(kernel, fmt):
+    """Codes at +-32639 (the split's largest: 127 * 256 + 127), at the low byte's -128 and 127, and
+    the weights' largest codes (Q4_1's 15, Q8_0's +-127): the integer sums are exact, so the result
+    is the float64 reference's to float32's rounding of the block sums."""
+    k, n = 128, 32
+    if fmt == "q4_1":
+        codes, scale, minimum = _q4(n, k)
+        codes[:, :64] = 15
+        blocks = cpu_native.pack_q4_1(codes, scale, minimum)
+    else:
+        q = torch.randint(-127, 128, (n, k), generator=torch.Generator().manual_seed(2)).float()
+        q[:, :32], q[:, 32:64] = 127, -127
+        blocks = cpu_native.pack_q8_0(q * 1e-3)
+    x = torch.zeros(6, k)
+    x[0] = 1.0  # every code 32639
+    x[1] = -1.0
+    x[2, :32] = torch.tensor([32639.0, -32639.0, 128.0, -128.0, 127.0, -127.0, 256.0 + 127, 256.0 - 128] + [0.0] * 24)
+    x[3] = torch.arange(k) - k / 2  # codes across the whole range
+    x[4, 32:64] = 1e-30  # a tiny block beside zero ones
+    x[5] = torch.randn(k, generator=torch.Generator().manual_seed(5)) * 1e4
+    codes, _ = cpu_native.vnni_codes_ref(x)
+    assert codes.abs().max() == 32639 and {-32639.0, -128.0, 127.0, 128.0}.issubset(set(codes[2, 0].tolist()))
+    got = cpu_native.matmul(x, blocks)
+    ref = cpu_native.matmul_ref(x, blocks)
+    assert ((got - ref).abs() <= 1e-6 * ref.abs().amax(-1, keepdim=True) + 1e-37).all()
+    for i in range(6):
+        assert torch.equal(cpu_native.matmul(x[i:i + 1], blocks)[0], got[i])
+
+
+@native
+@pytest.mark.parametrize("kernel", ["vnni"], indirect=True)
+def test_vnni_weights_take_the_kernel_for_every_row_count_and_keep_no_dense_copy(kernel):
+    """No crossover to a GEMM: the VNNI kernel is faster at every row count, and one kernel keeps a
+    row's numbers the same in a decode step of 1, a batch of 32 and a prompt chunk of 300 rows."""
+    codes, scale, minimum = _q4(64, 96)
+    weight = pack_q4(codes, scale, minimum, dense=True, native=True)
+    assert weight.native.vnni is not None and weight.dense is None
+    many = torch.randn(300, 96)
+    together = q4_matmul(many, weight)
+    assert torch.equal(together, cpu_native.matmul(many, weight.native))
+    assert torch.equal(q4_matmul(many[7:8], weight)[0], together[7])
+    assert torch.equal(q4_matmul(many[:32], weight), together[:32])
+    q8 = pack_q8_rows(torch.randn(64, 96) * 0.05, dense=True, native=True)
+    assert q8.native.vnni is not None and q8.dense is None
+    logits = linear_q8(many, q8)
+    assert torch.equal(logits[299], linear_q8(many[299:], q8)[0])
+
+
+def test_the_vnni_kernel_says_why_it_is_off(monkeypatch):
+    cpu_native.vnni_status.cache_clear()
+    try:
+        monkeypatch.setenv("PD_CPU_NATIVE_VNNI", "0")
+        if cpu_native.available():
+            assert cpu_native.vnni_status() == (False, "turned off (PD_CPU_NATIVE_VNNI=0)")
+            assert cpu_native.pack_q4_1(*_q4(16, 32)).vnni is None
+        monkeypatch.delenv("PD_CPU_NATIVE_VNNI")
+        cpu_native.vnni_status.cache_clear()
+        monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
+        if cpu_native.available():
+            assert cpu_native.vnni_status() == (
+                False, "this CPU lacks avx512_vnni, avx512bw, avx512dq, avx512vl")
+        else:
+            assert cpu_native.vnni_status() == cpu_native.status()
+    finally:
+        monkeypatch.undo()
+        cpu_native.vnni_status.cache_clear()
 
 
 @native

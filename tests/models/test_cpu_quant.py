@@ -159,11 +159,17 @@ def test_default_cpu_engine_keeps_the_4_bit_weights_and_says_so(quantized, exact
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert linear.quantized is not None and linear.weight.numel() == 0
     table = {row["component"]: row for row in model.kernel_choices() if row["component"] in ("linear", "logits")}
-    native = cpu_native.available()
-    assert table["logits"]["impl"] == ("native_q8_0_cpu" if native else "torch_int8pack_cpu")
-    assert any(row["impl"] == ("native_q4_1_cpu" if native else "torch_int4pack_cpu") for row in model.kernel_choices())
+    native, vnni = cpu_native.available(), cpu_native.vnni_available()
+    kind = "native_vnni" if vnni else "native"
+    assert table["logits"]["impl"] == (f"{kind}_q8_0_cpu" if native else "torch_int8pack_cpu")
+    assert table["linear"]["impl"] == (f"{kind}_q4_1_cpu" if native else "torch_int4pack_cpu")
     assert (layer.mlp.gate_up_proj.quantized.native is not None) == native
     assert (model.quantized_logits.native is not None) == native
+    # the VNNI kernel takes every row count: no dense copies beside it
+    assert (layer.mlp.gate_up_proj.quantized.native is not None and
+            layer.mlp.gate_up_proj.quantized.native.vnni is not None) == vnni
+    assert (layer.mlp.gate_up_proj.quantized.dense is None) == vnni
+    assert (model.quantized_logits.dense is None) == vnni
     norms = [row for row in model.kernel_choices() if row["component"] == "rms_norm"]
     assert len(norms) == 1 and norms[0]["impl"] == ("native_cpu" if native else "torch")
     assert (layer.input_layernorm.ops.rms_norm is cpu_native.rms_norm) == native
