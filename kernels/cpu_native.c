@@ -508,10 +508,11 @@ int pd_vnni_block_bytes(void) { return VNNI_BLOCK; }
 
 /* Blocks (Q4_1 where q4, else Q8_0; the layouts at the top) of n features into out
  * [ceil(n / 16)][nb][VNNI_BLOCK] (features past n: zero codes and scales). */
-int pd_vnni_pack(const void *weight, int64_t n, int64_t k, int q4, uint8_t *out) {
+int pd_vnni_pack(const void *weight, int64_t n, int64_t k, int q4, uint8_t *out, int threads) {
     if (k % QK != 0 || n <= 0) return -1;
     const int64_t nb = k / QK, row_bytes = nb * (q4 ? 20 : 34), groups = (n + VG - 1) / VG;
     memset(out, 0, (size_t)(groups * nb * VNNI_BLOCK));
+#pragma omp parallel for num_threads(threads) schedule(static, VG) /* a group's features on one thread */
     for (int64_t f = 0; f < n; f++) {
         const uint16_t *d = (const uint16_t *)((const uint8_t *)weight + f * row_bytes);
         const uint16_t *mn = q4 ? d + nb : NULL;

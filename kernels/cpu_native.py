@@ -129,7 +129,7 @@ def _library() -> ctypes.CDLL:
     lib.pd_decode_attention_layer.argtypes = [p, p, ctypes.c_int64, p, p, p, p]
     for fn in (lib.pd_rope_kv_write, lib.pd_decode_attention, lib.pd_decode_attention_layer):
         fn.restype = ctypes.c_int
-    lib.pd_vnni_pack.argtypes = [p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, p]
+    lib.pd_vnni_pack.argtypes = [p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, p, ctypes.c_int]
     lib.pd_vnni_pack.restype = ctypes.c_int
     lib.pd_vnni_matmul.argtypes = [p, ctypes.c_int64, ctypes.c_int64, p, ctypes.c_int64, p, ctypes.c_int, ctypes.c_int]
     lib.pd_vnni_matmul.restype = ctypes.c_int
@@ -193,7 +193,8 @@ def pack_vnni(blocks: NativeBlocks) -> NativeBlocks:
     n, k = blocks.out_features, blocks.in_features
     groups = -(-n // 16)
     out = torch.empty(groups * (k // QK) * lib.pd_vnni_block_bytes(), dtype=torch.uint8)
-    rc = lib.pd_vnni_pack(blocks.data.data_ptr(), n, k, int(blocks.fmt == "q4_1"), out.data_ptr())
+    rc = lib.pd_vnni_pack(blocks.data.data_ptr(), n, k, int(blocks.fmt == "q4_1"), out.data_ptr(),
+                          torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"pd_vnni_pack failed ({rc})")
     return dataclasses.replace(blocks, vnni=out)
