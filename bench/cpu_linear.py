@@ -5,7 +5,9 @@ a bfloat16 copy where oneDNN multiplies bfloat16 natively, else a float32 one:
 ``kernels.cpu_quant.dense_dtype``); the logits projection as int8 rows against bfloat16 and the
 engine's dense copy. Where ``kernels.cpu_native`` runs, its Q4_1 / Q8_0 kernels (``native_us``) and
 the dense product beside them (``native_dense_us``: the activations rounded as the kernel rounds them,
-a float32 GEMM over the blocks' exact dequantization) set ``NATIVE_DENSE_*FROM_ROWS``. The crossovers set ``kernels.cpu_quant``'s ``*DENSE_FROM_ROWS`` and
+a float32 GEMM over the blocks' exact dequantization) set ``NATIVE_DENSE_*FROM_ROWS``; where its AVX-512
+VNNI kernel runs, that too (``vnni_us``: what the engine then takes at every row count). The
+crossovers set ``kernels.cpu_quant``'s ``*DENSE_FROM_ROWS`` and
 ``*DENSE_LOGITS_FROM_ROWS`` (per dense dtype). Random weights (the kernels' time does not depend on the values),
 medians of timed calls after a warm-up.
 
@@ -14,6 +16,7 @@ medians of timed calls after a warm-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import statistics
@@ -60,6 +63,9 @@ def main() -> None:
         q4 = pack_q4(codes, scale, minimum, dense=True)
         q4n = pack_q4(codes, scale, minimum, dense=True, native=True) if native else None
         dense, f32 = q4.dense.to(torch.bfloat16), q4.dense.float()
+        if q4n is not None:  # the AVX2 kernel's blocks (no VNNI layout) and their exact float32
+            avx2 = dataclasses.replace(q4n.native, vnni=None)
+            exact = cpu_native.dequantize(avx2)
         table = []
         for m in ROWS:
             x = torch.randn(m, k)
@@ -70,9 +76,13 @@ def main() -> None:
                      "fp32_us": round(timed(lambda: F.linear(x, f32), args.calls), 1),
                      "dense_us": round(timed(lambda: q4_matmul(x, q4, dense=True), args.calls), 1)}
             if q4n is not None:
-                entry["native_us"] = round(timed(lambda: cpu_native.matmul(x, q4n.native), args.calls), 1)
-                entry["native_dense_us"] = round(timed(lambda: q4_matmul(x, q4n, dense=True), args.calls), 1)
-                entry["native_weight_gb_s"] = round(q4n.native.nbytes / entry["native_us"] / 1e3, 2)
+                entry["native_us"] = round(timed(lambda: cpu_native.matmul(x, avx2), args.calls), 1)
+                entry["native_dense_us"] = round(timed(
+                    lambda: F.linear(cpu_native.round_activations(x), exact), args.calls), 1)
+                entry["native_weight_gb_s"] = round(avx2.nbytes / entry["native_us"] / 1e3, 2)
+                if q4n.native.vnni is not None:
+                    entry["vnni_us"] = round(timed(lambda: cpu_native.matmul(x, q4n.native), args.calls), 1)
+                    entry["vnni_weight_gb_s"] = round(q4n.native.nbytes / entry["vnni_us"] / 1e3, 2)
             table.append(entry)
         rows_out[name] = table
         print(name, table, flush=True)
@@ -80,6 +90,9 @@ def main() -> None:
     q8 = pack_q8_rows(w, dense=True)
     plain = pack_q8_rows(w)
     q8n = pack_q8_rows(w, dense=True, native=True) if native else None
+    if q8n is not None:
+        avx2_q8 = dataclasses.replace(q8n.native, vnni=None)
+        exact_q8 = cpu_native.dequantize(avx2_q8)
     logits = []
     bf16_logits = q8.dense.to(torch.bfloat16)
     for m in (1, 4, 8, 16, 32, 64, 128):
@@ -88,16 +101,20 @@ def main() -> None:
                  "bf16_us": round(timed(lambda: F.linear(x.to(torch.bfloat16), bf16_logits), 8), 1),
                  "dense_us": round(timed(lambda: dense_linear(x, q8.dense), 8), 1)}
         if q8n is not None:
-            entry["native_us"] = round(timed(lambda: cpu_native.matmul(x, q8n.native), 8), 1)
+            entry["native_us"] = round(timed(lambda: cpu_native.matmul(x, avx2_q8), 8), 1)
             entry["native_dense_us"] = round(timed(
-                lambda: F.linear(cpu_native.round_activations(x), q8n.dense), 8), 1)
-            entry["native_weight_gb_s"] = round(q8n.native.nbytes / entry["native_us"] / 1e3, 2)
+                lambda: F.linear(cpu_native.round_activations(x), exact_q8), 8), 1)
+            entry["native_weight_gb_s"] = round(avx2_q8.nbytes / entry["native_us"] / 1e3, 2)
+            if q8n.native.vnni is not None:
+                entry["vnni_us"] = round(timed(lambda: cpu_native.matmul(x, q8n.native), 8), 1)
+                entry["vnni_weight_gb_s"] = round(q8n.native.nbytes / entry["vnni_us"] / 1e3, 2)
         logits.append(entry)
     print("logits [49152, 576]", logits, flush=True)
     write_result(args.out, {"benchmark": "cpu_linear", "environment": environment(), "projections": rows_out,
                             "logits": logits, "dense_from_rows": dense_from_rows(),
                             "dense_logits_from_rows": dense_logits_from_rows(),
                             "native": {"available": native, "why": native_why,
+                                       "vnni": cpu_native.vnni_status()[0], "vnni_why": cpu_native.vnni_status()[1],
                                        "dense_from_rows": dense_from_rows(True),
                                        "dense_logits_from_rows": dense_logits_from_rows(True)},
                             "native_bfloat16_gemm": native_bfloat16_gemm(),
