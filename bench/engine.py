@@ -12,7 +12,9 @@ logits projection int8: cluster.models.cpu_quant; decode-only steps through the 
 cluster.models.llama_cpu_decode: ``fast_paths`` counts its steps) and ``dtype="float32"`` (everything
 dequantized; the transformers anchor is on these same float32 weights). llama.cpp
 (``llama-cpp-python``, when installed: skipped with a note otherwise) runs the same GGUF file,
-one request at a time, with as many threads as torch. Also: start-up to the first token, the
+one request at a time, with as many threads as torch. Served: ``--serve-concurrency`` (32) clients in
+flight against the plain OpenAI server over the same default engine (streamed, greedy, the same new
+tokens), its output tok/s beside llama.cpp's sequential rate. Also: start-up to the first token, the
 weight bytes a decode step reads and the copy bandwidth measured here (their ratio is the
 batch-1 roofline), and how many greedy tokens each path agrees on with the others.
 
@@ -124,6 +126,31 @@ def weight_bytes_per_token(llm: LLM) -> int:
     return total
 
 
+def bench_serving(concurrency: int, new_tokens: int, prompt_tokens: int, port: int) -> dict[str, object]:
+    """``concurrency`` clients in flight against the plain OpenAI server (``cluster.local_server``:
+    one engine with the default settings, no Ray), streaming, greedy, ``new_tokens`` each, twice as
+    many requests as clients: output tok/s through the whole served path (tokenizer, scheduler,
+    detokenizer, HTTP), to set beside llama.cpp's one-at-a-time rate."""
+    from bench.serve import BenchConfig, run_benchmark
+    from bench.serve_compare import first_completion, start, stop, wait_healthy
+    url = f"http://127.0.0.1:{port}"
+    proc = start("local", "smollm2", port, "local")
+    try:
+        wait_healthy(url, proc)
+        model = first_completion(url, proc)
+        result = run_benchmark(BenchConfig(base_url=url, model=model, num_requests=2 * concurrency,
+                                           concurrency=concurrency, input_len=prompt_tokens, output_len=new_tokens,
+                                           ttft_target_s=2.0, itl_target_s=0.25, warmup=2,
+                                           label=f"local-{concurrency}"))
+    finally:
+        stop(proc)
+    return {"server": "cluster.local_server (the OpenAI server over one engine, no Ray), streamed",
+            "concurrency": concurrency, "completed": result["completed"], "failed": result["failed"],
+            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+            "output_tok_s": result["output_token_throughput_tps"],
+            "ttft_p50_s": result["ttft_s"]["p50"], "itl_p50_s": result["itl_s"]["p50"]}
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -166,6 +193,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=f"bench/results/engine-cpu-{datetime.date.today()}.json")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--serve-concurrency", type=int, default=32,
+                        help="clients in flight against the plain OpenAI server (0: skip)")
+    parser.add_argument("--port", type=int, default=8124)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     settings = {"max_num_seqs": max(batches), "max_num_batched_tokens": 4096}
@@ -240,6 +270,12 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row))
     results["rows"] = rows
+    if args.serve_concurrency:
+        served = bench_serving(args.serve_concurrency, args.new_tokens, len(prompt_ids), args.port)
+        if "batch1_tok_s" in anchor:
+            served["vs_llama_cpp_sequential"] = served["output_tok_s"] / anchor["batch1_tok_s"]  # type: ignore[operator]
+        results["serving"] = served
+        print(json.dumps(served))
     lean = getattr(llm.engine.model, "cpu_decode", None)
     results["fast_paths"] = {  # which path the default's steps took (a silent fallback is not a result)
         "lean_cpu_decode_steps": lean.num_steps if lean is not None else 0,
