@@ -240,7 +240,8 @@ class Simulation:
                  shared_gpu: bool = False, gpus: int | None = None, demand_window: float | None = None,
                  prefill_max_ongoing: int = 512, graceful_shutdown_s: float = 20.0,
                  local_prefill_wait: float | None = None, local_chunk_itl: float | None = None,
-                 concurrency: int | None = None, max_time: float = 3600.0) -> None:
+                 concurrency: int | None = None, max_time: float = 3600.0,
+                 chunk_step_s: float | None = None) -> None:
         self.c, self.r, self.dt = costs, requests, dt
         #: Closed-loop clients (a benchmark's ``--concurrency``): ``concurrency`` requests start at
         #: 0 and each one that ends (finished or failed) starts the next, in order; ``requests``'
@@ -276,6 +277,11 @@ class Simulation:
         #: the ITL target (a token budget set from the TBT target, as Sarathi-Serve's); None: the
         #: token budget alone, as a colocated replica.
         self.local_chunk_itl = local_chunk_itl
+        #: A colocated replica's prompt chunk is cut so its step (decode batch, host and chunk) stays
+        #: within this many seconds, at least 16 tokens (the served app's: its replicas are decode
+        #: replicas prefilling locally, their ChunkSizer aiming at local_prefill_itl_share of
+        #: target_itl_s); None: the token budget alone.
+        self.chunk_step_s = chunk_step_s
         self.failed = 0
         self.handle_queue: deque[int] = deque()
         self.handle_tokens = 0.0  # prompt tokens of the requests waiting at the prefill handle
@@ -450,6 +456,9 @@ class Simulation:
                 if rep.role == "decode" and self.local_chunk_itl is not None:
                     room = self.local_chunk_itl * self.itl_target - gpu[i] * (batch[i] > 0)
                     chunk = min(chunk, max(64.0, room / self.c.prefill_seconds(1.0, head)))
+                if rep.role == "colocated" and self.chunk_step_s is not None:
+                    room = self.chunk_step_s - self.c.combine(gpu[i] * (batch[i] > 0), host[i])
+                    chunk = min(chunk, max(16.0, room / self.c.prefill_seconds(1.0, head)))
                 chunk_s = self.c.prefill_seconds(chunk, head)
                 with_chunk = float(self.c.combine(gpu[i] * (batch[i] > 0) + chunk_s, host[i]))
                 self._prefill(rep, dt / with_chunk * chunk_s, now)

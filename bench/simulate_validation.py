@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
 from bench.simulate import RESULTS, Costs, Simulation, serve_run_requests  # noqa: E402
+from cluster.config import ClusterConfig, TransferConfig  # noqa: E402
 
 METRICS = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "tpot_p50", "goodput_fraction")
 #: (parameter, low, high, the disaggregated rate whose metric it matches, metric)
@@ -170,6 +171,9 @@ CPU_FITS = (("step_overhead_s", 1e-4, 0.2, ("colocated", "probe"), "itl_p50"),
             ("ttft_fixed_s", 1e-3, 0.6, ("colocated", "probe"), "ttft_p50"),
             ("prefill_token_s", 1e-5, 2e-2, ("colocated", "probe"), "ttft_p90"),
             ("transfer_fixed_s", 1e-4, 2.0, ("disagg", "probe"), "ttft_p50"))
+#: The served colocated replica's prompt-chunk step target: it is a decode replica prefilling
+#: locally, whose ChunkSizer aims at local_prefill_itl_share of the app's target_itl_s.
+SERVED_CHUNK_STEP_S = TransferConfig().local_prefill_itl_share * ClusterConfig().target_itl_s
 CPU_SERVE_MODES = ("colocated", "disagg")  # "local" (no Ray, no router) is not a cluster layout
 
 
@@ -190,7 +194,8 @@ def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int) -> di
         requests = serve_run_requests(cfg, 1.0, seed)  # arrival times unused: closed loop
         sim = Simulation(costs, requests, prefill=1, decode=1, colocated=mode == "colocated", dt=0.002,
                          ttft_target=cfg["ttft_target_s"], itl_target=cfg["itl_target_s"],
-                         shared_gpu=mode == "disagg", gpus=1, concurrency=int(cfg["concurrency"]))
+                         shared_gpu=mode == "disagg", gpus=1, concurrency=int(cfg["concurrency"]),
+                         chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None)
         outs.append(sim.run())
     return {k: float(np.median([o[k] for o in outs])) for k in METRICS}
 
