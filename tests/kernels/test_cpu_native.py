@@ -204,7 +204,7 @@ def test_the_vnni_repacking_holds_the_blocks_weight_exactly(fmt, n):
 
 
 @native
-@pytest.mark.parametrize("kernel", ["vnni"], indirect=True)
+@pytest.mark.parametrize("kernel", KERNELS[1:], indirect=True)  # where VNNI runs
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_the_vnni_kernels_split_activation_codes_are_exact_at_their_edges(kernel, fmt):
     """Codes at +-32639 (the split's largest: 127 * 256 + 127), at the low byte's -128 and 127, and
@@ -236,7 +236,7 @@ def test_the_vnni_kernels_split_activation_codes_are_exact_at_their_edges(kernel
 
 
 @native
-@pytest.mark.parametrize("kernel", ["vnni"], indirect=True)
+@pytest.mark.parametrize("kernel", KERNELS[1:], indirect=True)  # where VNNI runs
 def test_vnni_weights_take_the_kernel_for_every_row_count_and_keep_no_dense_copy(kernel):
     """No crossover to a GEMM: the VNNI kernel is faster at every row count, and one kernel keeps a
     row's numbers the same in a decode step of 1, a batch of 32 and a prompt chunk of 300 rows."""
