@@ -24,6 +24,7 @@ and prompt chunks alike. Its activation codes stop at 32639 (``QMAX_VNNI``: two 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -32,7 +33,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
