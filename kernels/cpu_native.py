@@ -267,13 +267,21 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return round_activations_ref(x)
 
 
-def round_activations_ref(x: torch.Tensor) -> torch.Tensor:
-    """``round_activations`` in torch ops (the reference)."""
+def _block_codes(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]``'s codes per block of 32, ``round(x * (qmax / amax))`` (``[M, K / 32, 32]``,
+    float32 integers; torch evaluates ``qmax / amax`` as ``qmax * (1 / amax)``, as the C does), and
+    their scales ``amax / qmax`` (``[M, K / 32, 1]``)."""
     m, k = x.shape
     blocks = x.float().reshape(m, k // QK, QK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, QMAX / amax.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(amax))
-    return ((blocks * inv).round() * (amax / QMAX)).reshape(m, k)
+    inv = torch.where(amax > 0, qmax / amax.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(amax))
+    return (blocks * inv).round(), amax / qmax
+
+
+def round_activations_ref(x: torch.Tensor) -> torch.Tensor:
+    """``round_activations`` in torch ops (the reference)."""
+    codes, scale = _block_codes(x, QMAX)
+    return (codes * scale).reshape(x.shape)
 
 
 def matmul_ref(x: torch.Tensor, weight: NativeBlocks) -> torch.Tensor:
@@ -284,15 +292,9 @@ def matmul_ref(x: torch.Tensor, weight: NativeBlocks) -> torch.Tensor:
 
 
 def vnni_codes_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VNNI kernel's activation codes of ``x [M, K]`` per block of 32, ``round(x * (QMAX_VNNI *
-    (1 / amax)))`` in -32639..32639 (``[M, K / 32, 32]``, float32 integers), and their scales
-    ``amax / QMAX_VNNI`` (``[M, K / 32, 1]``)."""
-    m, k = x.shape
-    blocks = x.float().reshape(m, k // QK, QK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, QMAX_VNNI * (1 / amax.clamp(min=torch.finfo(torch.float32).tiny)),
-                      torch.zeros_like(amax))
-    return (blocks * inv).round(), amax / QMAX_VNNI
+    """The VNNI kernel's activation codes of ``x [M, K]`` per block of 32, in -32639..32639, and
+    their scales (``_block_codes`` at ``QMAX_VNNI``)."""
+    return _block_codes(x, QMAX_VNNI)
 
 
 def round_activations_vnni_ref(x: torch.Tensor) -> torch.Tensor:
