@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=f"bench/results/v4-decode-h200-{datetime.date.today()}.json")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="toy widths (plumbing check)")
+    parser.add_argument("--modes", default="eager,graphs",
+                        help="rows to run, of eager,graphs (a same-run baseline of an older tree: graphs)")
     args = parser.parse_args(argv)
     batches, prompt, new = TINY_RUN if args.tiny else (BATCHES, PROMPT, NEW)
     on_gpu = args.device.startswith("cuda")
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = result["rows"]
     with tempfile.TemporaryDirectory() as path:
         write_model_dir(path, config)
-        for mode in ("eager", "graphs") if on_gpu else ("eager",):
+        for mode in [m for m in args.modes.split(",") if on_gpu or m == "eager"]:
             try:
                 engine = make_engine(path, args.device, mode == "eager", max(batches))
             except Exception as exc:  # noqa: BLE001 - record and go on

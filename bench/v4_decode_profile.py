@@ -69,7 +69,7 @@ def scopes(model: nn.Module) -> Iterator[None]:
     from cluster.models.deepseek_v4_attention import DeepseekV4Attention, Indexer
     from cluster.models.deepseek_v4_layers import V4RMSNorm
     from cluster.models.deepseek_v4_moe import DeepseekV4MoE, Gate
-    from cluster.models.layers import Linear
+    from cluster.models.layers import FusedRows, Linear
     undo: list[Callable[[], None]] = []
 
     def patch(obj: Any, attr: str, name: str) -> None:
@@ -96,6 +96,8 @@ def scopes(model: nn.Module) -> Iterator[None]:
             patch(module, "attention_kernel", "sparse_attention")
         elif isinstance(module, DeepseekV4MoE):
             patch(module, "moe_kernel", "moe")
+        for fused in [v for v in vars(module).values() if isinstance(v, FusedRows)]:
+            patch(fused, "forward", "projections")  # one GEMM for several Linears (and the gate's)
         if callable(getattr(module, "hc_pre", None)):  # a block or a DSpark stage
             patch(module, "hc_pre", "hyper_connections")
             patch(module, "hc_post", "hyper_connections")
@@ -189,10 +191,13 @@ def class_bytes(model: Any, batch: int, context: int) -> dict[str, float]:
     from cluster.models.layers import Linear
     out: dict[str, float] = collections.defaultdict(float)
     for name, module in model.named_modules():
+        if module is model.head:  # the LM head is the logits class's
+            continue
         if isinstance(module, Linear) and ".experts." not in name and not name.startswith("mtp"):
             out["projections"] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
         elif isinstance(module, Gate) and not name.startswith("mtp"):
-            out["router"] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+            # the gate's GEMM runs with the shared expert's (``DeepseekV4MoE.x_proj``): a projection
+            out["projections"] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
     weight = model.embed.weight if model.head is None else model.head.weight
     out["logits"] += weight.numel() * weight.element_size()
     routed = step_bytes(model, batch, context)  # the routed experts touched and the KV attended

@@ -39,7 +39,7 @@ from cluster.models.deepseek_v4_moe import DeepseekV4MoE
 from cluster.models.ops import REFERENCE_OPS, Ops, base_components
 from cluster.models.deepseek_v4_quant import QuantScheme, expert_kernel_format
 from cluster.models.deepseek_v4_weights import load_deepseek_v4_weights
-from cluster.models.layers import Embedding, Linear
+from cluster.models.layers import Embedding, FusedRows, Linear
 
 
 def _hc_params(args: DeepseekV4Args, mixes: int) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -160,7 +160,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.rope = V4Rope(args)
 
     def kernel_choices(self) -> list[dict[str, Any]]:
-        return list(self.ops.table)
+        return list(self.ops.table) + [self.fused_projections_row()]
+
+    def fused_projections_row(self) -> dict[str, Any]:
+        """The kernel-table row of the projections that share an input (``FusedRows``: per layer
+        the attention's of ``h`` and of the low-rank query, the gate's with the shared expert's):
+        one GEMM each, or (a member quantized, biased or of another dtype) their own GEMMs."""
+        groups = [v for m in self.modules() for v in vars(m).values() if isinstance(v, FusedRows) and len(v.members) > 1]
+        fused = sum(g.active for g in groups)
+        impl = "fused" if fused == len(groups) else "partly fused" if fused else "separate"
+        reason = (f"{fused} of {len(groups)} groups of projections that read one input run as one GEMM each"
+                  + ("" if fused == len(groups) else
+                     " (the rest: a member quantized, biased or of another dtype, device or width)"))
+        device = self.ops.table[0]["device"] if self.ops.table else next(self.parameters()).device.type
+        return {"component": "fused_projections", "op": "linear", "format": str(self.dtype).replace("torch.", ""),
+                "role": "main", "impl": impl, "device": device, "reason": reason}
 
     @property
     def cuda_graph_blocker(self) -> str | None:

@@ -21,7 +21,7 @@ from cluster.models.deepseek_v4_compressor import ChunkCompressor, CompressorWei
 from cluster.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Args
 from cluster.models.deepseek_v4_kv import LayerKV
 from cluster.models.deepseek_v4_layers import V4RMSNorm, V4Rope
-from cluster.models.layers import Linear
+from cluster.models.layers import FusedRows, Linear
 from cluster.models.ops import REFERENCE_OPS, Ops
 
 
@@ -38,12 +38,13 @@ class Indexer(nn.Module):
         self.compressor = CompressorWeights(args.hidden_size, 2 * self.head_dim, self.head_dim, args.csa_ratio,
                                             args.rms_norm_eps, dtype, ops)
 
-    def select(self, h: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def select(self, q_raw: torch.Tensor, weights_raw: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                ctx: ForwardContext, index: tuple[int, int]) -> torch.Tensor:
-        """Top-k compressed entries per query ``[T, topk]`` (-1: none)."""
-        q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
+        """Top-k compressed entries per query ``[T, topk]`` (-1: none), from this layer's
+        ``wq_b(q_residual)`` and ``weights_proj(h)`` (computed with the attention's projections)."""
+        q = q_raw.view(-1, self.num_heads, self.head_dim)
         q = self.norm_rope(q, cos, sin)  # [T, Hi, Di]
-        weights = self.weights_proj(h).float() * self.num_heads ** -0.5  # [T, Hi]
+        weights = weights_raw.float() * self.num_heads ** -0.5  # [T, Hi]
         group, layer = index
         return self.select_kernel(q, weights, ctx.kv_caches[group][:, layer], ctx.block_tables[group],
                                   ctx.query_start_loc_cpu, ctx.seq_lens_cpu, self.compressor.ratio, self.topk,
@@ -81,29 +82,43 @@ class DeepseekV4Attention(nn.Module):
                                                 self.ratio, args.rms_norm_eps, dtype, ops)
         if layer_type == CSA:
             self.indexer = Indexer(args, dtype, ops)
+        # The projections of the same input as one GEMM each (decode at batch 1 is bound by
+        # their launches and split-K reductions): of ``h`` the query's low rank, the KV entry,
+        # the compressors' values and gates and the indexer's head weights; of the low-rank query
+        # the attention's and the indexer's queries.
+        from_h: list[tuple[nn.Module, str]] = [(self.wq_a, "weight"), (self.wkv, "weight")]
+        from_q: list[tuple[nn.Module, str]] = [(self.wq_b, "weight")]
+        if self.compressor is not None:
+            from_h += [(self.compressor.wkv, "weight"), (self.compressor.wgate, "weight")]
+        if self.indexer is not None:
+            idx = self.indexer
+            from_h += [(idx.compressor.wkv, "weight"), (idx.compressor.wgate, "weight"), (idx.weights_proj, "weight")]
+            from_q.append((idx.wq_b, "weight"))
+        self.h_proj, self.q_proj = FusedRows(from_h), FusedRows(from_q)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, rope: V4Rope) -> torch.Tensor:
         """``h [T, hidden]`` -> ``[T, hidden]``; writes this chunk's KV state."""
         t = h.shape[0]
         cos, sin = rope.cos_sin(self.rope_kind, ctx.positions)
-        q_residual = self.q_norm(self.wq_a(h))
-        q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
-        q = self.norm_rope(q, cos, sin, eps=self.args.rms_norm_eps)  # [T, H, D]
+        q_low, kv_raw, *rest = self.h_proj(h)
+        q_residual = self.q_norm(q_low)
+        q_raw, *index_q = self.q_proj(q_residual)
+        q = self.norm_rope(q_raw.view(t, self.num_heads, self.head_dim), cos, sin, eps=self.args.rms_norm_eps)
         window_group, window_layer = self.kv.window
         window_cache = ctx.kv_caches[window_group][:, window_layer]  # [num_blocks, block_size, D]
         slots = ctx.slot_mappings[window_group]
         assert slots is not None
         # the window's KV entry, written at its slot (a decode graph's padding rows, slot -1, write the null block)
-        self.norm_rope(self.wkv(h).unsqueeze(1), cos, sin, self.kv_norm.weight, self.kv_norm.eps, cache=window_cache,
+        self.norm_rope(kv_raw.unsqueeze(1), cos, sin, self.kv_norm.weight, self.kv_norm.eps, cache=window_cache,
                        slots=slots)
         compressed_cache = compressed_tables = topk = None
         if self.compressor is not None:
-            self._compress(h, ctx, rope)
+            self._compress(h, rest[:4], ctx, rope)
             group, layer = self.kv.compressed  # type: ignore[misc]
             compressed_cache, compressed_tables = ctx.kv_caches[group][:, layer], ctx.block_tables[group]
         if self.indexer is not None:
             assert self.kv.index is not None
-            topk = self.indexer.select(h, q_residual, cos, sin, ctx, self.kv.index)
+            topk = self.indexer.select(index_q[0], rest[4], cos, sin, ctx, self.kv.index)
         out = self.attention_kernel(q, window_cache, ctx.block_tables[window_group], compressed_cache,
                                     compressed_tables, topk, self.attn_sink, ctx.query_start_loc_cpu,
                                     ctx.seq_lens_cpu, self.args.sliding_window, max(self.ratio, 1),
@@ -120,14 +135,15 @@ class DeepseekV4Attention(nn.Module):
         w = self.wo_a.weight.view(groups, -1, x.shape[-1])  # [G, o_lora_rank, group_in]
         return torch.bmm(x, w.transpose(1, 2)).transpose(0, 1).flatten(1)
 
-    def _compress(self, h: torch.Tensor, ctx: ForwardContext, rope: V4Rope) -> None:
-        """Pool this chunk's windows; store the entries (and indexer keys) the chunk completes."""
+    def _compress(self, h: torch.Tensor, raw: list[torch.Tensor], ctx: ForwardContext, rope: V4Rope) -> None:
+        """Pool this chunk's windows; store the entries (and indexer keys) the chunk completes.
+        ``raw``: the compressor's value and gate projections of ``h`` (then the indexer's)."""
         assert self.compressor is not None and self.kv.state is not None and self.kv.compressed is not None
         d = self.head_dim
-        kv, gate = self.compressor.project(h, ctx.positions)
+        kv, gate = self.compressor.finish(raw[0], raw[1], ctx.positions)
         ikv = igate = None
         if self.indexer is not None:
-            ikv, igate = self.indexer.compressor.project(h, ctx.positions)
+            ikv, igate = self.indexer.compressor.finish(raw[2], raw[3], ctx.positions)
         if h.shape[0] == len(ctx.seq_lens_cpu):  # a decode step: one token per sequence, batched
             step = decode_step((gate, kv, igate, ikv), ctx, self.ratio, *self.kv.state, advance=self.compress_kernel)
             self._store_done(ctx, self.kv.compressed, step, step.pooled[:, :d], self.compressor.norm, rope)

@@ -57,8 +57,12 @@ class CompressorWeights(nn.Module):
 
     def project(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``h [T, hidden]`` -> values and biased gates ``[T, width]`` (float32)."""
-        gate = self.wgate(h).float() + self.ape[positions % self.ratio]
-        return self.wkv(h).float(), gate
+        return self.finish(self.wkv(h), self.wgate(h), positions)
+
+    def finish(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``wkv(h)``, ``wgate(h)`` -> values and biased gates ``[T, width]`` (float32)."""
+        return kv.float(), gate.float() + self.ape[positions % self.ratio]
 
 
 @dataclass

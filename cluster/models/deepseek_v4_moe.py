@@ -13,7 +13,7 @@ from torch import nn
 
 from cluster.models.deepseek_v4_config import DeepseekV4Args
 from cluster.models.deepseek_v4_experts import Experts
-from cluster.models.layers import Linear
+from cluster.models.layers import FusedRows, Linear
 from cluster.models.ops import REFERENCE_OPS, Ops
 
 
@@ -33,9 +33,12 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (weights ``[T, k]``, expert ids ``[T, k]``)."""
-        logits = nn.functional.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, logits: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights ``[T, k]``, expert ids ``[T, k]``). ``logits``: the gate's projection of
+        ``x`` ``[T, n_routed_experts]`` when already computed (fused with the shared expert's)."""
+        if logits is None:
+            logits = nn.functional.linear(x, self.weight)
         if self.hash_routed:
             return self.route(logits, self.top_k, self.scoring, self.routed_scaling_factor, tid2eid=self.tid2eid,
                               input_ids=input_ids)
@@ -53,7 +56,11 @@ class SharedExperts(nn.Module):
         self.w3 = Linear(hidden, intermediate, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.ops.silu_and_mul(torch.cat([self.w1(x), self.w3(x)], dim=-1), self.clamp))
+        return self.down(torch.cat([self.w1(x), self.w3(x)], dim=-1))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[w1(x) | w3(x)]`` -> the expert's output."""
+        return self.w2(self.ops.silu_and_mul(gate_up, self.clamp))
 
 
 class DeepseekV4MoE(nn.Module):
@@ -70,8 +77,17 @@ class DeepseekV4MoE(nn.Module):
         self.experts = Experts(args, dtype, native_experts)
         shared = args.moe_intermediate_size * args.n_shared_experts
         self.shared_experts = SharedExperts(args.hidden_size, shared, self.clamp, dtype, ops) if shared else None
+        # The gate's projection and the shared expert's [w1; w3] read the same input: one GEMM.
+        members: list[tuple[nn.Module, str]] = [(self.gate, "weight")]
+        if self.shared_experts is not None:
+            members += [(self.shared_experts.w1, "weight"), (self.shared_experts.w3, "weight")]
+        self.x_proj = FusedRows(members)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x, input_ids)
+        if self.shared_experts is None:
+            logits, gate_up = nn.functional.linear(x, self.gate.weight), None
+        else:
+            logits, gate_up = self.x_proj(x, groups=[1, 2])
+        weights, ids = self.gate(x, input_ids, logits)
         out = self.moe_kernel(x, self.experts.w13, self.experts.w2, weights, ids, self.clamp)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.shared_experts is None or gate_up is None else out + self.shared_experts.down(gate_up)
