@@ -5,40 +5,6 @@ from __future__ import annotations
 import torch
 
 
-#: Rows at least this long take the two-pass argmax on a GPU.
-_TWO_PASS_MIN_VOCAB = 16384
-
-
-def _argmax_groups(vocab: int) -> int:
-    """How many equal groups of at least 1024 entries a row of ``vocab`` splits into for
-    :func:`argmax_rows` (the largest power of two up to 128 dividing it), 1 for none."""
-    groups = 128
-    while groups > 1 and (vocab % groups or vocab // groups < 1024):
-        groups //= 2
-    return groups
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits [N, V]`` -> ``[N]`` int64, the same as ``logits.argmax(-1)`` (each row's first
-    maximum; a NaN counts as the maximum). On a GPU a long row goes in two passes (the maximum of
-    each of up to 128 equal groups, then the first group holding the row's), where torch reduces
-    one row in one thread block: 28 us for V4's 129,280 logits at batch 1 on an H100, a greedy
-    decode step's largest kernel after the model's (``v4-decode-profile-h100-2026-12-06-fused.json``)."""
-    rows, vocab = logits.shape
-    groups = _argmax_groups(vocab)
-    if not logits.is_cuda or rows == 0 or vocab < _TWO_PASS_MIN_VOCAB or groups < 8 or logits.stride(-1) != 1:
-        return logits.argmax(-1)
-    return argmax_two_pass(logits, groups)
-
-
-def argmax_two_pass(logits: torch.Tensor, groups: int) -> torch.Tensor:
-    """:func:`argmax_rows`'s two passes on any device (``V`` a multiple of ``groups``, unit stride)."""
-    rows, vocab = logits.shape
-    values, within = logits.view(rows, groups, vocab // groups).max(-1)  # first maximum of each group
-    group = values.argmax(-1)  # first group holding the row's maximum (NaN: the first NaN's)
-    return group * (vocab // groups) + within.gather(1, group[:, None])[:, 0]
-
-
 def apply_top_k_top_p_min_p_ref(logits: torch.Tensor, top_k: torch.Tensor | None,
                                 top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (to -inf) the logits each row's filters drop. ``logits [N, V]`` float32;

@@ -19,7 +19,7 @@ import torch
 
 from cluster.common.outputs import Logprob, PositionLogprobs
 from cluster.common.sampling_params import SamplingParams
-from kernels.sampling import apply_top_k_top_p_min_p_ref, argmax_rows, sample_with_noise_ref
+from kernels.sampling import apply_top_k_top_p_min_p_ref, sample_with_noise_ref
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Sampler:
         return logits
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        tokens = argmax_rows(logits)
+        tokens = logits.argmax(-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
             return tokens

@@ -57,33 +57,3 @@ def test_gpu_real_vocab() -> None:
     ref = apply_top_k_top_p_min_p_ref(logits, k, p, None)
     out = apply_top_k_top_p_min_p_triton(logits, k, p, None)
     assert torch.equal(out.isinf(), ref.isinf())
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")])])
-def test_two_pass_argmax_is_argmax_exactly(device: str) -> None:
-    """The greedy draw's two-pass argmax (``kernels.sampling.argmax_rows`` on a GPU) returns what
-    ``argmax(-1)`` does: the first maximum, ties across and within groups, -inf rows, NaN, rows of
-    a wider (padded) logits tensor."""
-    from kernels.sampling import _argmax_groups, argmax_rows, argmax_two_pass
-
-    gen = torch.Generator().manual_seed(0)
-    vocab, groups = 129280, _argmax_groups(129280)
-    assert groups == 64
-    logits = torch.randn(9, vocab, generator=gen)
-    logits[1, 5000] = logits[1, 90000] = 50.0  # a tie across groups: the first
-    logits[2, 2021] = logits[2, 2030] = 50.0  # a tie within one group
-    logits[3] = float("-inf")  # nothing: index 0
-    logits[4, 777] = float("nan")  # NaN is the maximum
-    logits[5, 100000] = float("nan")
-    logits[5, 3] = float("nan")
-    logits[6, -1] = 99.0  # the last entry
-    logits[7] = 1.0  # all equal
-    logits[8, 0] = 99.0
-    padded = torch.randn(4, vocab + 64, generator=gen)[:, :vocab]  # the sampler's logits[:, :vocab]
-    logits, padded = logits.to(device), padded.to(device)
-    assert torch.equal(argmax_two_pass(logits, groups), logits.argmax(-1))
-    assert argmax_two_pass(logits, groups)[[1, 2, 3, 4, 5, 6, 7, 8]].tolist() == [5000, 2021, 0, 777, 3, vocab - 1, 0, 0]
-    assert torch.equal(argmax_two_pass(padded, groups), padded.argmax(-1))
-    assert torch.equal(argmax_rows(logits), logits.argmax(-1))  # a GPU takes the two passes, a CPU argmax
-    assert torch.equal(argmax_rows(padded), padded.argmax(-1))
