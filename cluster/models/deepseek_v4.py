@@ -275,6 +275,7 @@ def kernel_components(config: dict[str, Any]) -> list[tuple[str, str, str, str]]
                    ("v4_norm_rope", "v4_norm_rope", "bf16", "main"), ("v4_route", "v4_route", "bf16", "main")]
     if any(t != SLIDING for t in args.layer_types):
         components += [("v4_compress_decode", "v4_compress_decode", "bf16", "main"),
+                       ("v4_compress_decode_paged", "v4_compress_decode_paged", "bf16", "main"),
                        ("v4_compress_store", "v4_compress_store", "bf16", "main")]
     if CSA in args.layer_types:
         components.append(("v4_indexer", "v4_indexer", "bf16", "main"))

@@ -59,6 +59,7 @@ class DeepseekV4Attention(nn.Module):
         self.args, self.layer_type, self.kv = args, layer_type, kv
         self.attention_kernel, self.norm_rope = ops.v4_sparse_attention, ops.v4_norm_rope
         self.compress_kernel, self.store_kernel = ops.v4_compress_decode, ops.v4_compress_store
+        self.paged_compress_kernel = ops.v4_compress_decode_paged
         #: The first position whose window entry may be attended (an MTP layer: 1; see deepseek_v4_mtp).
         self.min_position = 0
         self.num_heads, self.head_dim = args.num_heads, args.head_dim
@@ -140,11 +141,19 @@ class DeepseekV4Attention(nn.Module):
         ``raw``: the compressor's value and gate projections of ``h`` (then the indexer's)."""
         assert self.compressor is not None and self.kv.state is not None and self.kv.compressed is not None
         d = self.head_dim
+        decode = h.shape[0] == len(ctx.seq_lens_cpu)  # one token per sequence, batched
+        if decode and ctx.verify_states is None:
+            # a decode step: the pools advance in place in the paged state group, one kernel
+            step = self._decode_paged(raw, ctx)
+            self._store_done(ctx, self.kv.compressed, step, step.pooled[:, :d], self.compressor.norm, rope)
+            if self.indexer is not None and self.kv.index is not None:
+                self._store_done(ctx, self.kv.index, step, step.pooled[:, d:], self.indexer.compressor.norm, rope)
+            return
         kv, gate = self.compressor.finish(raw[0], raw[1], ctx.positions)
         ikv = igate = None
         if self.indexer is not None:
             ikv, igate = self.indexer.compressor.finish(raw[2], raw[3], ctx.positions)
-        if h.shape[0] == len(ctx.seq_lens_cpu):  # a decode step: one token per sequence, batched
+        if decode:  # a verify step: one token per row, each position pooled from its predecessor's state
             step = decode_step((gate, kv, igate, ikv), ctx, self.ratio, *self.kv.state, advance=self.compress_kernel)
             self._store_done(ctx, self.kv.compressed, step, step.pooled[:, :d], self.compressor.norm, rope)
             if self.indexer is not None and self.kv.index is not None:
@@ -163,6 +172,18 @@ class DeepseekV4Attention(nn.Module):
             self._store(ctx, self.kv.compressed, seq, first, entries)
             if keys is not None and self.kv.index is not None:
                 self._store(ctx, self.kv.index, seq, first, keys)
+
+    def _decode_paged(self, raw: list[torch.Tensor], ctx: ForwardContext) -> DecodeEntries:
+        """A decode step's compressors (``Ops.v4_compress_decode_paged``): the carried pools read
+        from and written back to the paged state group, the gates' slot bias added, in one kernel
+        (a verify step keeps each position's state apart: :func:`decode_step`)."""
+        assert self.compressor is not None and self.kv.state is not None
+        group, layer = self.kv.state
+        index = (raw[3], raw[2], self.indexer.compressor.ape) if self.indexer is not None else (None, None, None)
+        mean, entry, done = self.paged_compress_kernel(
+            ctx.kv_caches[group][:, layer], ctx.block_tables[group], ctx.block_sizes[group], ctx.positions,
+            self.ratio, raw[1], raw[0], self.compressor.ape, *index)  # raw: values, gates (then the indexer's)
+        return DecodeEntries(mean, entry, done)
 
     def _finish_entries(self, pooled: torch.Tensor, index: torch.Tensor, rope: V4Rope, dtype: torch.dtype
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:

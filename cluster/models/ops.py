@@ -13,8 +13,8 @@ from cluster.common.errors import UnsupportedSettingError
 from kernels import dispatch
 from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref, write_kv_cache
-from kernels.deepseek_v4_ref import (compress_decode_ref, compress_store_ref, hc_post_ref, hc_pre_ref, indexer_topk_ref,
-                                     norm_rope_ref, route_ref, sparse_attention_ref)
+from kernels.deepseek_v4_ref import (compress_decode_paged_ref, compress_decode_ref, compress_store_ref, hc_post_ref,
+                                     hc_pre_ref, indexer_topk_ref, norm_rope_ref, route_ref, sparse_attention_ref)
 from kernels.linear import linear_ref
 from kernels.moe import fused_moe_ref
 from kernels.norm import rms_norm_ref
@@ -43,6 +43,8 @@ class Ops:
     v4_indexer: Callable[..., torch.Tensor] = indexer_topk_ref
     #: DeepSeek-V4: a compressor's pools after one token per row (decode and verify steps).
     v4_compress_decode: Callable[..., Any] = compress_decode_ref
+    #: DeepSeek-V4: the same over the paged state group in place, with the gates' slot bias (decode steps).
+    v4_compress_decode_paged: Callable[..., Any] = compress_decode_paged_ref
     #: DeepSeek-V4: a decode step's completed entries normalised, rotated and stored.
     v4_compress_store: Callable[..., None] = compress_store_ref
     #: DeepSeek-V4: a row's RMS norm and trailing RoPE (and the window's KV write) in one op.

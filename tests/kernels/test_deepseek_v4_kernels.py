@@ -549,6 +549,46 @@ def test_compress_decode(kind: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["hca", "csa", "csa_index"])
+def test_compress_decode_paged(kind: str) -> None:
+    """A decode step's compressors over the paged state group, in place: carries read from each
+    row's block of the position before (the same block as the write, or the block before, at a
+    block's first position), the raw gates' slot bias added, the pools written to the block of the
+    position, the other layers' states of the group untouched; entries, indices and done flags as
+    the reference's, from bf16 projections (a fused GEMM's column slices: row strides)."""
+    from kernels.deepseek_v4_ref import compress_decode_paged_ref
+    from kernels.triton_deepseek_v4_compressor import compress_decode_paged_triton
+
+    g = torch.Generator().manual_seed(7 + len(kind))
+    d, di = (300, 0) if kind == "hca" else (300, 40) if kind == "csa_index" else (340, 0)
+    c, ratio, block_size = d + di, 4, 8
+    positions = torch.tensor([0, 1, 3, 6, 7, 8, 12, 15, 16, 0, 5])
+    rows = len(positions)
+    shape = (2, c) if kind == "hca" else (2, 2, c)
+    group = torch.randn(64, 3, *shape, generator=g)  # the state group: 3 layers' states per block
+    table = (torch.randperm(63, generator=g)[:rows * 3] + 1).view(rows, 3).int()
+    width = d if kind == "hca" else 2 * d
+    fused = torch.randn(rows, 2 * width + 4 * di + 16, generator=g).bfloat16()  # the GEMM's output
+    value, gate = fused[:, :width], fused[:, width:2 * width]
+    ape = torch.randn(ratio, width, generator=g)
+    index = ((fused[:, 2 * width + 2 * di:2 * width + 4 * di], fused[:, 2 * width:2 * width + 2 * di],
+              torch.randn(ratio, 2 * di, generator=g)) if di else (None, None, None))
+    move = [t.to(DEVICE) if t is not None else None for t in (table, positions, gate, value, ape, *index)]
+    want_group, got_group = group.to(DEVICE), group.to(DEVICE).clone()
+    want = compress_decode_paged_ref(want_group[:, 1], move[0], block_size, move[1], ratio, *move[2:])
+    with poisoned_allocations():
+        got = compress_decode_paged_triton(got_group[:, 1], move[0], block_size, move[1], ratio, *move[2:])
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.dtype, b.dtype)
+        if a.dtype.is_floating_point:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(a, b)
+    torch.testing.assert_close(got_group, want_group, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_group[:, 0], group[:, 0].to(DEVICE)) and torch.equal(got_group[:, 2], group[:, 2].to(DEVICE))
+    assert not torch.equal(got_group[:, 1], group[:, 1].to(DEVICE))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compress_store(dtype: torch.dtype) -> None:
     """The completed entries (rows done) land normalised and rotated where the reference puts them,
@@ -622,6 +662,15 @@ def _portability_cases() -> list[tuple[str, object, tuple[object, ...], dict[str
                        512, 128 if has_index else 0, 4, state.shape[1], state.shape[1], 1024, 1024, 256, 256, c,
                        -1e30),
                       dict(OVERLAP=overlap, HAS_INDEX=has_index, BLOCK_C=256, num_warps=2)))
+    for overlap, has_index in ((False, False), (True, True)):
+        c = 640 if overlap else 512
+        states, proj, index_proj = t(4096, 3, 4 * c if overlap else 2 * c, dtype=f32), t(128, 4096), t(128, 4096)
+        cases.append((f"v4_compress_decode_paged_{'csa' if overlap else 'hca'}", compressor._compress_decode_paged_kernel,
+                      (states, table, t(128, dtype=i64), proj, proj, index_proj, index_proj, t(4, 1024, dtype=f32),
+                       t(4, 256, dtype=f32), t(128, c, dtype=f32), t(128, dtype=i64), t(128, dtype=torch.bool), c,
+                       512, 128 if has_index else 0, 4, 16, states.stride(0), 300, 4096, 4096, 4096, 4096, 1024,
+                       256, c, -1e30),
+                      dict(OVERLAP=overlap, HAS_INDEX=has_index, BLOCK_C=256, num_warps=2)))
     entries_cache, pooled_rows = t(4096, 16, 512), t(128, 640, dtype=f32)
     cases.append(("v4_compress_store", compressor._compress_store_kernel,
                   (pooled_rows, t(128, dtype=i64), t(128, dtype=torch.bool), t(512, dtype=f32), t(32, dtype=f32),
@@ -692,7 +741,7 @@ def test_v4_kernels_compile_for_sm90_and_sm120() -> None:
     failures = [r for r in records if "error" in r]
     assert not failures, json.dumps(failures, indent=1)
     names = {r["kernel"] for r in records}
-    assert len(names) == 16
+    assert len(names) == 18
     for name in names:
         sm120 = [(r["shared"], r["config"]) for r in records if r["kernel"] == name and r["arch"] == "sm_120"]
         assert sm120 and all(shared <= SM120_SHARED_LIMIT for shared, _ in sm120), (name, sm120)

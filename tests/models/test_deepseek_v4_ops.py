@@ -52,7 +52,7 @@ def v4_dir(tmp_path_factory, one_thread):
 def test_kernel_components_list_what_v4_calls():
     names = {c[0] for c in kernel_components(V4_FLASH_CONFIG)}
     assert names == {"rms_norm", "silu_and_mul", "sampler", "v4_sparse_attention", "v4_indexer", "moe",
-                     "mtp.moe", "v4_hc_pre", "v4_hc_post", "v4_compress_decode",
+                     "mtp.moe", "v4_hc_pre", "v4_hc_post", "v4_compress_decode", "v4_compress_decode_paged",
                      "v4_compress_store", "v4_norm_rope", "v4_route",
                      "spec_verify_rows", "spec_accept_draft_rows"}  # its verify steps' (pipelined: in graphs)
     sliding = dict(V4_FLASH_CONFIG, compress_ratios=[0] * 44, num_nextn_predict_layers=0)
