@@ -250,6 +250,15 @@ def compress_decode_ref(carry: torch.Tensor, positions: torch.Tensor, ratio: int
     return torch.where(done[:, None, None, None], torch.stack([a, empty], dim=1), torch.stack([b, a], dim=1)), mean_b
 
 
+def state_blocks(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's paged compressor state per row (one token at ``positions`` each, ``table
+    [B, max_blocks]``): the block holding the pools before the token (the previous position's; a
+    first token's, position 0, is read but ignored) and the block its pools after go to."""
+    table, pos = table.long(), positions.long()
+    before = table.gather(1, ((pos - 1).clamp(min=0) // block_size)[:, None])[:, 0]
+    after = table.gather(1, (pos // block_size)[:, None])[:, 0]
+    return before, after
+
 
 def compress_decode_paged_ref(states: torch.Tensor, table: torch.Tensor, block_size: int, positions: torch.Tensor,
                               ratio: int, gate: torch.Tensor, value: torch.Tensor, ape: torch.Tensor,
@@ -263,15 +272,15 @@ def compress_decode_paged_ref(states: torch.Tensor, table: torch.Tensor, block_s
     compressor's) are the raw projections: each gate gets its slot's bias ``ape[p % ratio]`` here.
     Returns each row's entry so far ``[B, C]`` (float32), the entry's index ``p // ratio`` and
     whether the token completes it."""
-    table, pos = table.long(), positions.long()
-    before = table.gather(1, ((pos - 1).clamp(min=0) // block_size)[:, None])[:, 0]
-    carry = states[before]  # a first token's (position 0) is ignored: an empty pool
+    pos = positions.long()
+    before, after = state_blocks(table, pos, block_size)
     slot = pos % ratio
     index_gate = None if index_gate is None or index_ape is None else index_gate.float() + index_ape[slot]
-    state, mean = compress_decode_ref(carry, pos, ratio, gate.float() + ape[slot], value, index_gate, index_value)
-    after = table.gather(1, (pos // block_size)[:, None])[:, 0]
+    state, mean = compress_decode_ref(states[before], pos, ratio, gate.float() + ape[slot], value, index_gate,
+                                      index_value)
     states[after] = state.to(states.dtype)
     return mean, pos // ratio, slot == ratio - 1
+
 
 def compress_store_ref(pooled: torch.Tensor, index: torch.Tensor, done: torch.Tensor, weight: torch.Tensor,
                        eps: float, inv_freq: torch.Tensor, ratio: int, scaling: float, cache: torch.Tensor,

@@ -39,7 +39,7 @@ from cluster.models.deepseek_v4_layers import V4RMSNorm
 from cluster.models.layers import Linear
 from cluster.models.ops import REFERENCE_OPS, Ops
 from kernels.deepseek_v4_ref import (EMPTY_LSE, compress_decode_ref, empty_pools, merge_pools_ref,
-                                     softmax_pool_prefix_ref)
+                                     softmax_pool_prefix_ref, state_blocks)
 
 
 class CompressorWeights(nn.Module):
@@ -54,10 +54,6 @@ class CompressorWeights(nn.Module):
         self.wgate = Linear(hidden, width, False, dtype)
         self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32), requires_grad=False)
         self.norm = V4RMSNorm(dim, eps, ops)
-
-    def project(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``h [T, hidden]`` -> values and biased gates ``[T, width]`` (float32)."""
-        return self.finish(self.wkv(h), self.wgate(h), positions)
 
     def finish(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,14 +185,11 @@ def decode_step(projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
     :class:`ChunkCompressor` on chunks of one token. ``advance`` is the one-token merge
     (``Ops.v4_compress_decode``)."""
     states = ctx.kv_caches[state_group][:, state_layer]  # [num_blocks, *state]
-    table = ctx.block_tables[state_group].long()  # [B, max_blocks]
-    block_size = ctx.block_sizes[state_group]
     pos = ctx.positions.long()
-    before = table.gather(1, ((pos - 1).clamp(min=0) // block_size)[:, None])[:, 0]
+    before, after = state_blocks(ctx.block_tables[state_group], pos, ctx.block_sizes[state_group])
     carry = states[before]  # [B, *state]; a first token's (position 0) is ignored: an empty pool
     done = pos % ratio == ratio - 1  # the token completes its window's entry
     state, mean_b = advance(carry, pos, ratio, *projections)
-    after = table.gather(1, (pos // block_size)[:, None])[:, 0]
     if ctx.verify_states is not None and ctx.verify_prev is not None and ctx.verify_slot is not None:
         # A verify step: a verified position's carry is its predecessor's state (a scan over the
         # request's positions, as deep as the step's longest), and its state waits in a row of its

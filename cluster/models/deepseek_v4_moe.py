@@ -55,9 +55,6 @@ class SharedExperts(nn.Module):
         self.w2 = Linear(intermediate, hidden, False, dtype)
         self.w3 = Linear(hidden, intermediate, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.cat([self.w1(x), self.w3(x)], dim=-1))
-
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[w1(x) | w3(x)]`` -> the expert's output."""
         return self.w2(self.ops.silu_and_mul(gate_up, self.clamp))
@@ -85,9 +82,9 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shared_experts is None:
-            logits, gate_up = nn.functional.linear(x, self.gate.weight), None
-        else:
-            logits, gate_up = self.x_proj(x, groups=[1, 2])
+            weights, ids = self.gate(x, input_ids)
+            return self.moe_kernel(x, self.experts.w13, self.experts.w2, weights, ids, self.clamp)
+        logits, gate_up = self.x_proj(x, groups=[1, 2])
         weights, ids = self.gate(x, input_ids, logits)
         out = self.moe_kernel(x, self.experts.w13, self.experts.w2, weights, ids, self.clamp)
-        return out if self.shared_experts is None or gate_up is None else out + self.shared_experts.down(gate_up)
+        return out + self.shared_experts.down(gate_up)

@@ -70,6 +70,37 @@ class Cluster:
                 return values
             time.sleep(0.25)
 
+    def metric_by_replica(self, name: str, **labels: str) -> dict[str, float]:
+        """A counter's value per replica (label ``replica``), to take increases from: a redeploy's
+        replaced replicas stay in ClusterState's snapshot until their reports go stale, so a sum
+        taken just after a deploy may count a replica that then drops out (a CI run saw the old
+        decode replica's 516 drafts vanish as the new one reached 516)."""
+        by_replica: dict[str, float] = {}
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    key = sample.labels.get("replica", "")
+                    by_replica[key] = by_replica.get(key, 0.0) + sample.value
+        return by_replica
+
+    def increase(self, name: str, before: dict[str, float], **labels: str) -> float:
+        """How much a counter grew since ``before`` (metric_by_replica), summed over the replicas
+        reporting now; a replica new since then counts from zero."""
+        now = self.metric_by_replica(name, **labels)
+        return sum(value - before.get(replica, 0.0) for replica, value in now.items())
+
+    def wait_for_increase(self, name: str, before: dict[str, float], more_than: float, timeout: float = 10.0,
+                          **labels: str) -> float:
+        """The counter's increase since ``before`` once it exceeds ``more_than`` (or at the timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            grown = self.increase(name, before, **labels)
+            if grown > more_than or time.monotonic() > deadline:
+                return grown
+            time.sleep(0.25)
+
     def metric(self, name: str, **labels: str) -> list[float]:
         """Values of a metric's samples whose labels include ``labels``."""
         from prometheus_client.parser import text_string_to_metric_families

@@ -67,7 +67,7 @@ def test_prefill_replica_killed_with_decode_kv_reserved(cluster, model_dir, expe
     cluster.deploy({"model": model_dir, "kv_transfer": "ipc", "block_size": BLOCK, "num_kv_blocks": blocks,
                     "max_num_batched_tokens": 64, "remote_kv_grace_s": 1.0})
     model = model_name(model_dir)
-    failures_before = sum(cluster.metric("cluster:remote_prefill_failures_total", role="decode"))
+    failures_before = cluster.metric_by_replica("cluster:remote_prefill_failures_total", role="decode")
 
     assert asyncio.run(_stream(cluster.base_url, model, PROMPTS[0][:20]))[0] == 200  # every path warm
 
@@ -75,7 +75,7 @@ def test_prefill_replica_killed_with_decode_kv_reserved(cluster, model_dir, expe
         return sum(cluster.metric("cluster:num_requests_running", role="prefill")) > 0
 
     def failed() -> bool:
-        return sum(cluster.metric("cluster:remote_prefill_failures_total", role="decode")) > failures_before
+        return cluster.increase("cluster:remote_prefill_failures_total", failures_before, role="decode") > 0
 
     async def load_then_kill():
         tasks = [asyncio.ensure_future(_stream(cluster.base_url, model, p)) for p in PROMPTS]
@@ -100,9 +100,8 @@ def test_prefill_replica_killed_with_decode_kv_reserved(cluster, model_dir, expe
     assert all(finish == "length" for _, _, finish in answers)
     assert [ids for _, ids, _ in answers] == expected + expected[:1]
     assert time.monotonic() - start < 90
-    failures = cluster.wait_for_metric("cluster:remote_prefill_failures_total",
-                                       lambda v: sum(v) > failures_before, role="decode")
-    assert sum(failures) > failures_before, "no prefill was in flight when the replica died"
+    failures = cluster.wait_for_increase("cluster:remote_prefill_failures_total", failures_before, 0, role="decode")
+    assert failures > 0, "no prefill was in flight when the replica died"
     usage = cluster.wait_for_metric("cluster:kv_cache_usage_perc", lambda v: v and max(v) == 0.0, role="decode")
     assert usage and max(usage) == 0.0  # the reservations and the fallbacks' blocks all came back
     cluster.settings = None  # the prefill replica was replaced: the next test redeploys

@@ -140,6 +140,28 @@ def test_sparse_attention_decode_splits(num_splits: int, mode: str) -> None:
     _check(out, ref, _tol(torch.float32))
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_sparse_attention_tiles_of_skipped_picks(num_splits: int) -> None:
+    """The indexer pads a short context's picks with ``-1`` at the end: whole tiles (and whole
+    splits) of skipped picks fold nothing, and a row with no pick at all keeps its window only."""
+    batch = make_v4_batch(DECODE, heads=4, window=3, ratio=4, entries_per_block=2, seed=5)
+    topk = 64  # more than any row's visible entries (at most 128 // 4 = 32)
+    rows = []
+    for p in batch.positions().tolist():
+        visible = (p + 1) // 4
+        picks = torch.randperm(visible, generator=torch.Generator().manual_seed(p))[:topk]
+        rows.append(torch.cat([picks, torch.full((topk - len(picks),), -1)]))
+    picks = torch.stack(rows).to(DEVICE)
+    assert (picks[:, 32:] == -1).all() and (picks[1] == -1).all()
+    sinks = torch.randn(4, device=DEVICE)
+    args = (batch.q, batch.window_cache, batch.window_tables, batch.comp_cache, batch.comp_tables, picks, sinks,
+            batch.query_start_loc, batch.seq_lens, 3, 4, batch.q.shape[-1] ** -0.5)
+    ref = sparse_attention_ref(*args)
+    with poisoned_allocations():
+        out = sparse_attention_triton(*args, num_splits=num_splits)
+    _check(out, ref, _tol(torch.float32))
+
+
 def test_sparse_attention_window_one_and_dominant_sinks() -> None:
     """Window 1 (a query sees only itself), more picks than visible entries, sinks that take most
     of the probability."""
