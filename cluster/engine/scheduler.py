@@ -8,7 +8,9 @@ recently admitted running request is preempted (its blocks freed; it is recomput
 A request's prompt chunk is also capped per step by ``long_prefill_token_threshold`` and by the
 ``ChunkSizer``'s cap (learned from measured step times when ``prefill_step_target_s`` is on; the
 step loop teaches it), so decoding requests keep their steps short while a long prompt is
-prefilled beside them.
+prefilled beside them. With ``sized_chunks_per_step`` the sizer's cap bounds the prompt tokens of
+the whole step instead (every prompt chunk together, in arrival order), as the step time it learns
+from does.
 
 The same scheduler serves every role: ``prefill`` requests stop after their first token and keep
 their blocks for the transfer; ``decode`` requests enter WAITING_FOR_REMOTE_KV with blocks reserved
@@ -140,9 +142,17 @@ class Scheduler:
 
     def chunk_cap(self) -> int | None:
         """The most prompt tokens one request schedules this step (None: the budget decides)."""
-        measured = self.chunk_sizer.cap if self.chunk_sizer is not None else None
+        per_step = self.config.sized_chunks_per_step
+        measured = self.chunk_sizer.cap if self.chunk_sizer is not None and not per_step else None
         caps = [c for c in (self.config.long_prefill_token_threshold, measured) if c]
         return min(caps) if caps else None
+
+    def step_prompt_cap(self) -> int | None:
+        """The most prompt tokens a whole step schedules, over all its prompt chunks
+        (``sized_chunks_per_step``; None: no such bound)."""
+        if self.chunk_sizer is None or not self.config.sized_chunks_per_step:
+            return None
+        return self.chunk_sizer.cap
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -232,6 +242,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         cap = self.chunk_cap()
+        prompt_left = self.step_prompt_cap()  # None: no per-step bound on prompt tokens
         preempted_now = False
         for request in list(self.running):
             if request not in self.running:  # preempted earlier in this loop
@@ -239,8 +250,11 @@ class Scheduler:
             c = request.num_computed_tokens
             base = request.num_tokens + request.num_pending - c
             n = min(base + len(request.spec_token_ids), budget)
-            if cap is not None and base > 1 and not request.spec_token_ids:  # a prompt (or recompute) chunk
+            chunk = base > 1 and not request.spec_token_ids  # a prompt (or recompute) chunk
+            if chunk and cap is not None:
                 n = min(n, cap)
+            if chunk and prompt_left is not None:
+                n = min(n, prompt_left)
             if n <= 0:
                 continue
             if request.spec_token_ids:
@@ -260,10 +274,12 @@ class Scheduler:
                 continue
             out.scheduled.append(ScheduledRequest(request, c, n, request.request_id))
             budget -= n
+            if chunk and prompt_left is not None:
+                prompt_left -= n
             if budget == 0:
                 break
-        if not preempted_now:
-            self._admit_waiting(out, budget, cap)
+        if not preempted_now and prompt_left != 0:
+            self._admit_waiting(out, budget if prompt_left is None else min(budget, prompt_left), cap)
         out.block_tables = {s.request_id: self.kv.block_tables(s.request_id) for s in out.scheduled}
         return out
 

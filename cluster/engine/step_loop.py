@@ -97,7 +97,8 @@ class StepLoop:
                 self._fail([s.request for s in sched.scheduled], exc)
             else:
                 if sizer is not None:
-                    self._size_chunks(sizer, sched, time.perf_counter() - started)
+                    self._size_chunks(sizer, sched, time.perf_counter() - started,
+                                      self.scheduler.config.sized_chunks_per_step)
                 for children in forks.values():
                     for c in children:
                         self._first_tokens[c.request_id] = (result.sampled[c.request_id],
@@ -106,14 +107,18 @@ class StepLoop:
         return self._collect()
 
     @staticmethod
-    def _size_chunks(sizer: ChunkSizer, sched: SchedulerOutput, seconds: float) -> None:
+    def _size_chunks(sizer: ChunkSizer, sched: SchedulerOutput, seconds: float, per_step: bool = False) -> None:
         """Teach the chunk sizer from a step that carried prompt chunks beside decoding requests
         (such a step samples their tokens, so its time is the device's, not just the launch)."""
         prompt = [s for s in sched.scheduled if s.num_new_tokens > 1 and not s.draft_token_ids]
         if not prompt or len(prompt) == len(sched.scheduled):
             return
-        bounded = any(s.num_new_tokens == sizer.cap and not s.samples for s in prompt)
-        sizer.observe(sum(s.num_new_tokens for s in prompt), bounded, seconds)
+        total = sum(s.num_new_tokens for s in prompt)
+        if per_step:  # the cap bounded the step's prompt tokens together
+            bounded = total >= sizer.cap
+        else:
+            bounded = any(s.num_new_tokens == sizer.cap and not s.samples for s in prompt)
+        sizer.observe(total, bounded, seconds)
 
     def _inputs(self, sched: SchedulerOutput, forks: dict[str, list[Request]]) -> None:
         """Fill what the runner reads of each scheduled request, from its state now: the input

@@ -64,12 +64,69 @@ def test_the_sizer_shrinks_at_once_on_an_overrun_and_ignores_uninformative_steps
     assert ChunkSizer(0.1, budget=8).cap == 8  # never above the token budget
 
 
+def _prompts_beside_a_decode(per_step: bool, prompts: int = 4, steps: int = 16) -> tuple[list[float], list[list]]:
+    """A request decoding while ``prompts`` long prompts arrive at once; a step takes 10 ms plus
+    0.2 ms a prompt token; an 80 ms target. The step times and each step's (request, tokens)."""
+    from cluster.engine.step_loop import StepLoop
+    s = make_scheduler(num_blocks=2048, budget=4096, max_num_seqs=16)
+    s.config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096,
+                               prefill_step_target_s=0.08, sized_chunks_per_step=per_step)
+    s.chunk_sizer = ChunkSizer(0.08, budget=4096, initial=256)
+    s.add_request(req("a", 3))
+    run_step(s)
+    for i in range(prompts):
+        s.add_request(req(f"p{i}", 1500, first=10 + i))
+    times, rows = [], []
+    for _ in range(steps):
+        out = run_step(s)
+        seconds = 0.010 + 0.0002 * sum(x.num_new_tokens for x in out.scheduled if x.num_new_tokens > 1)
+        StepLoop._size_chunks(s.chunk_sizer, out, seconds, per_step)
+        times.append(seconds)
+        rows.append([(x.request.request_id, x.num_new_tokens) for x in out.scheduled])
+    return times, rows
+
+
+def test_four_prompts_at_once_each_capped_settle_at_four_times_the_target():
+    """The default (each prompt's chunk capped): the sizer learns from the step's total but caps
+    every prompt, so four prompts prefilling together settle at steps about four times the target
+    (the reason for ``sized_chunks_per_step``)."""
+    times, rows = _prompts_beside_a_decode(per_step=False, steps=4)
+    assert all(len(r) == 5 for r in rows)  # the decode and all four prompts every step
+    assert all(t > 3.5 * 0.08 for t in times[1:])  # settled: 4 x ~387 tokens a step, 0.32 s
+
+
+def test_the_per_step_cap_keeps_steps_at_the_target_whatever_the_prompts_waiting():
+    """``sized_chunks_per_step``: the learned cap bounds the step's prompt tokens together, so the
+    step stays at the 80 ms target with four prompts waiting; the prompts go in arrival order (the
+    first one's first token comes after its own chunks, not after all four prompts'), the
+    decoding request gets its token every step, and a prompt waits only while the step is full."""
+    times, rows = _prompts_beside_a_decode(per_step=True, steps=24)
+    assert all(r[0] == ("a", 1) for r in rows)
+    assert max(times) <= 0.08 + 1e-9 and min(times[3:15]) > 0.075  # converged to the target, prompts left
+    order = [rid for r in rows for rid, n in r[1:] if n > 1]
+    assert order == sorted(order)  # p0's chunks, then p1's, ...: one prompt after another
+    firsts = [next(i for i, r in enumerate(rows) if (f"p{k}", 1) in r) for k in range(2)]
+    assert firsts[0] < firsts[1] and firsts[0] <= 6  # p0's first token after about 1500 / 350 steps
+    # the threshold still caps each prompt beside the per-step bound
+    s = make_scheduler(num_blocks=256, budget=64, max_num_seqs=8)
+    s.config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                               long_prefill_token_threshold=5, prefill_step_target_s=0.05,
+                               sized_chunks_per_step=True)
+    s.chunk_sizer = ChunkSizer(0.05, budget=64)
+    s.chunk_sizer.cap = 12  # as if measured
+    for rid in ("x", "y", "z"):
+        s.add_request(req(rid, 20))
+    assert [(x.request.request_id, x.num_new_tokens) for x in run_step(s).scheduled] == [("x", 5), ("y", 5), ("z", 2)]
+
+
 def test_settings_and_the_decode_role_default():
     config = parse_cluster_args({"long_prefill_token_threshold": "256", "local_prefill_itl_share": "0.5",
                                  "target_itl_s": "0.05"}, use_env=False)
     assert config.scheduler.long_prefill_token_threshold == 256
     assert config.transfer.local_prefill_itl_share == 0.5
     assert TransferConfig().local_prefill_itl_share == 0.8 and SchedulerConfig().prefill_step_target_s == 0
+    assert parse_cluster_args({"sized_chunks_per_step": "true"}, use_env=False).scheduler.sized_chunks_per_step
+    assert not SchedulerConfig().sized_chunks_per_step  # the default until the GPU gate has run it
     with pytest.raises(UnsupportedSettingError, match="local_prefill_itl_share"):
         TransferConfig(local_prefill_itl_share=1.5)
     with pytest.raises(UnsupportedSettingError, match="long_prefill_token_threshold"):
@@ -122,3 +179,31 @@ def test_a_long_prompt_beside_a_decoding_request_is_chunked_to_the_target_withou
     first_r1 = min(i for i, s in enumerate(steps) if "r1" in s)
     assert last_r0 > first_r1 + 3  # they shared steps
     assert all("r0" in s for s in steps[first_r1:last_r0 + 1])  # r0 got its token in every one
+
+
+def test_per_step_sized_chunks_in_the_engine_keep_outputs_and_the_step_bound():
+    """The real engine with ``sized_chunks_per_step``: two long prompts arrive at once beside a
+    decoding request; no step carries more prompt tokens than the cap it had learned by then, the
+    decoding request gets a token every step, and the prompts' outputs equal the uncapped engine's."""
+    long_a = " ".join(f"item {i} is a line of the inventory;" for i in range(20))
+    long_b = " ".join(f"row {i} lists a part number;" for i in range(20))
+    prompts = ["Count from one to twenty.", long_a, long_b]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want, _ = _engine_steps(LLM("smollm2", max_num_batched_tokens=1024, enable_prefix_caching=False), prompts, params)
+    llm = LLM("smollm2", max_num_batched_tokens=1024, enable_prefix_caching=False, prefill_step_target_s=0.02,
+              sized_chunks_per_step=True)
+    caps: list[int] = []
+    engine_step = llm.engine.step
+
+    def step():  # the cap each step is scheduled under
+        caps.append(llm.engine.scheduler.chunk_sizer.cap)
+        return engine_step()
+    llm.engine.step = step
+    got, steps = _engine_steps(llm, prompts, params)
+    assert got[1:] == want[1:] and len(got[0]) == 24
+    shared = [(s, cap) for s, cap in zip(steps, caps) if s.get("r1", 0) > 1 or s.get("r2", 0) > 1]
+    assert len(shared) >= 3
+    assert all(sum(n for rid, n in s.items() if rid != "r0" and n > 1) <= cap for s, cap in shared)
+    first_r1 = min(i for i, s in enumerate(steps) if "r1" in s)
+    last_r0 = max(i for i, s in enumerate(steps) if "r0" in s)
+    assert all("r0" in s for s in steps[first_r1:last_r0 + 1])
