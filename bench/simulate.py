@@ -705,6 +705,17 @@ def profile(costs: Costs, itl_target: float, ttft_target: float, prompt: int = 2
                            decode_tokens_per_s=best / best_step, decode_kv_tokens=costs.kv_tokens)
 
 
+def colocated_chunk_step(args: argparse.Namespace) -> float | None:
+    """The colocated replicas' prompt-chunk step target (``Simulation.chunk_step_s``): the served
+    app's colocated layout is decode replicas prefilling every prompt locally, whose chunk sizer
+    aims at ``local_prefill_itl_share`` of the ITL target, as ``--local-chunk-itl`` models for the
+    disaggregated decode replicas; ``--colocated-chunk-step`` overrides it (None: the token
+    budget alone, as the comparisons before it)."""
+    if args.colocated_chunk_step is not None:
+        return None if args.colocated_chunk_step == "none" else float(args.colocated_chunk_step)
+    return None if args.local_chunk_itl is None else args.local_chunk_itl * args.itl
+
+
 def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
     """The planner (the project's ``plan`` with demand and the profile: predictive sizing, reactive
     rules as backstop; and without the profile: reactive rules alone) runs the phases back to back
@@ -730,6 +741,8 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
                                                            "over target, until the last phase ends"},
                            "by_gpus": {}}
     mixes = args.mixes.split(",")
+    colocated_chunk = colocated_chunk_step(args)
+    out["method"]["colocated_chunk_step_s"] = colocated_chunk
     for gpus in [int(g) for g in args.gpus.split(",")]:
         caps = {m: split_capacity(costs, m, gpus, args.ttft, args.itl) for m in mixes}
         phases = [Phase(args.phase_s, args.load * caps[m]["best_rps"], m, bursty=(i == 1 and args.bursty))
@@ -773,7 +786,8 @@ def compare(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
                 alone.setdefault(f"fixed-{p}p{gpus - p}d", []).append(
                     Simulation(costs, seg, prefill=p, decode=gpus - p, **common).run())
             alone.setdefault("colocated", []).append(
-                Simulation(costs, seg, prefill=0, decode=gpus, colocated=True, **common).run())
+                Simulation(costs, seg, prefill=0, decode=gpus, colocated=True, chunk_step_s=colocated_chunk,
+                           **common).run())
             print(f"  {gpus} GPUs fixed, phase {i}: {time.perf_counter() - started:.0f} s", flush=True)
         good: list[dict[str, float]] = [{} for _ in phases]
         for k, v in runs.items():
@@ -905,6 +919,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="cut a decode replica's local prefill chunks so its step stays within this fraction "
                              "of the ITL target (default: the served decode replica's local_prefill_itl_share; "
                              "'none': the token budget alone, as colocated)")
+    parser.add_argument("--colocated-chunk-step", default=None,
+                        help="seconds a colocated replica's step carrying prompt chunks aims at (default: "
+                             "--local-chunk-itl x --itl, as the served colocated layout; 'none': the token "
+                             "budget alone, as comparisons before 2026-12-06)")
     parser.add_argument("--handover-starting-share", type=_optional_float,
                         default=PlannerSettings().handover_starting_share,
                         help="the planner's handover_starting_share (default: the planner's default)")
