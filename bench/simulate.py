@@ -231,6 +231,11 @@ class Replica:
     queued_tokens: float = 0.0
     head_done: float = 0.0  # prompt tokens of the queue head already computed
     kv_used: float = 0.0
+    #: Prefill steps (``Simulation.prefill_steps``): prompt tokens left in the step in progress
+    #: and the prompts it completes (their first tokens leave when it ends).
+    step_left: float = 0.0
+    step_done: list = dataclasses.field(default_factory=list)
+    overhead_left: float = -1.0  # of the step's fixed overhead, once its tokens are done (-1: not yet)
 
 
 class Simulation:
@@ -241,8 +246,13 @@ class Simulation:
                  prefill_max_ongoing: int = 512, graceful_shutdown_s: float = 20.0,
                  local_prefill_wait: float | None = None, local_chunk_itl: float | None = None,
                  concurrency: int | None = None, max_time: float = 3600.0,
-                 chunk_step_s: float | None = None) -> None:
+                 chunk_step_s: float | None = None, prefill_steps: bool = False) -> None:
         self.c, self.r, self.dt = costs, requests, dt
+        #: A prefill replica runs steps of up to the token budget packed from its queue in order,
+        #: as the engine schedules them (chunked prefill), and a prompt's first token leaves when
+        #: the step holding its last chunk ends; the step's overhead is paid once. False: one
+        #: prompt after another, each leaving as its own tokens are done (the earlier model).
+        self.prefill_steps = prefill_steps
         #: Closed-loop clients (a benchmark's ``--concurrency``): ``concurrency`` requests start at
         #: 0 and each one that ends (finished or failed) starts the next, in order; ``requests``'
         #: arrival times are ignored (the run's are written as they happen). None: open loop.
@@ -385,8 +395,59 @@ class Simulation:
             self.handle_tokens -= float(self.r["prompt"][rid])
             self._enqueue(min(room, key=lambda i: self.replicas[i].queued_tokens), rid)
 
+    def _complete_prefill(self, rep: Replica, rid: int, done_at: float) -> None:
+        prompt = float(self.r["prompt"][rid])
+        landed = done_at if rep.role != "prefill" else done_at + self.c.transfer_seconds(prompt)
+        self.first_token[rid] = landed + self.c.first_token_delay(float(self.last_step[self.decode_of[rid]]))
+        self.ready[rid] = self.first_token[rid]
+        self.state[rid] = TRANSFER
+        self.generated[rid] = 1.0
+
+    def _prefill_steps(self, rep: Replica, seconds: float, now: float) -> float:
+        """``_prefill`` in steps of up to the token budget (``prefill_steps``)."""
+        used = 0.0
+        while used < seconds and (rep.queue or rep.step_done):
+            if rep.step_left <= 0.0 and not rep.step_done:  # a new step, from the queue as it is now
+                rep.step_left = min(float(self.c.max_batched_tokens), rep.queued_tokens)
+            if rep.queue and rep.step_left > 1e-9:
+                rid = rep.queue[0]
+                if np.isnan(self.prefill_start[rid]):
+                    self.prefill_start[rid] = now + used
+                prompt = float(self.r["prompt"][rid])
+                take = min(prompt - rep.head_done, rep.step_left)
+                per_token = self.c.prefill_seconds(1.0, prompt)
+                can = (seconds - used) / per_token
+                if can < take:
+                    rep.head_done += can
+                    rep.queued_tokens -= can
+                    rep.step_left -= can
+                    return seconds
+                used += take * per_token
+                rep.head_done += take
+                rep.queued_tokens -= take
+                rep.step_left -= take
+                if rep.head_done >= prompt - 1e-9:
+                    rep.queue.popleft()
+                    rep.head_done = 0.0
+                    rep.step_done.append(rid)
+                if rep.step_left > 1e-9 and rep.queue:
+                    continue
+            if rep.overhead_left < 0.0:  # the step's own overhead, once
+                rep.overhead_left = self.c.prefill_overhead_s
+            spend = min(seconds - used, rep.overhead_left)
+            used += spend
+            rep.overhead_left -= spend
+            if rep.overhead_left > 1e-12:
+                return seconds
+            for rid in rep.step_done:
+                self._complete_prefill(rep, rid, now + used)
+            rep.step_done, rep.step_left, rep.overhead_left = [], 0.0, -1.0
+        return used
+
     def _prefill(self, rep: Replica, seconds: float, now: float) -> float:
         """Run ``seconds`` of prefill on ``rep``'s FIFO; returns the seconds used."""
+        if self.prefill_steps and rep.role == "prefill":
+            return self._prefill_steps(rep, seconds, now)
         used = 0.0
         while rep.queue and used < seconds:
             rid = rep.queue[0]
@@ -404,12 +465,7 @@ class Simulation:
             rep.queue.popleft()
             rep.queued_tokens -= left
             rep.head_done = 0.0
-            done_at = now + used
-            landed = done_at if rep.role != "prefill" else done_at + self.c.transfer_seconds(prompt)
-            self.first_token[rid] = landed + self.c.first_token_delay(float(self.last_step[self.decode_of[rid]]))
-            self.ready[rid] = self.first_token[rid]
-            self.state[rid] = TRANSFER
-            self.generated[rid] = 1.0
+            self._complete_prefill(rep, rid, now + used)
         return used
 
     def step(self, now: float) -> None:
@@ -425,7 +481,7 @@ class Simulation:
                                     constant_values=self.c.step_overhead_s)
         prefill_time = np.zeros(len(self.replicas))
         for i, rep in enumerate(self.replicas):
-            if rep.role == "prefill" and rep.queue:
+            if rep.role == "prefill" and (rep.queue or rep.step_done):
                 # one GPU time-sliced between the two replicas: prefill gets what decode leaves, at least half
                 share = max(0.5, 1.0 - self.decode_gpu_share) if self.shared_gpu else 1.0
                 prefill_time[i] = self._prefill(rep, dt * share, now)
@@ -442,7 +498,10 @@ class Simulation:
         ctx = np.bincount(reps, weights=self.r["prompt"][active] + self.generated[active], minlength=n)
         gpu, host = self.c.decode_parts(batch, ctx)
         if self.shared_gpu:  # the decode replica's GPU work waits for the prefill's time slices
-            gpu = gpu / (1.0 - min(0.5, prefill_time.sum() / dt))
+            slowed = 1.0 / (1.0 - min(0.5, prefill_time.sum() / dt))
+            gpu = gpu * slowed
+            if not self.c.host_overlaps_gpu:  # one CPU machine: the host's work shares its cores too
+                host = host * slowed
         step = np.where(batch > 0, self.c.combine(gpu, host), self.c.step_overhead_s)
         # the decode loop's turns (a first token's path) last a decode step, not a prefill chunk's
         self.last_step = np.where(batch > 0, step, self.last_step)
@@ -535,7 +594,7 @@ class Simulation:
         """Drained replicas (nothing queued or decoding) leave (their index stays: ids are stable);
         replicas waiting for a GPU start when one is free."""
         for i, x in enumerate(self.replicas):
-            if x.draining and (x.ready_at == math.inf or (not x.queue and x.kv_used <= 0.5)):
+            if x.draining and (x.ready_at == math.inf or (not x.queue and not x.step_done and x.kv_used <= 0.5)):
                 x.role = "gone"
             elif x.draining and x.role != "gone" and now - x.drain_since >= self.graceful_shutdown_s:
                 self._kill(i, now)  # Serve stops a draining replica after graceful_shutdown_timeout_s
@@ -552,7 +611,7 @@ class Simulation:
         if x.role in ("decode", "colocated"):
             mine &= self.decode_of == i
         else:
-            mine &= np.isin(np.arange(len(self.state)), list(x.queue))
+            mine &= np.isin(np.arange(len(self.state)), list(x.queue) + list(x.step_done))
         lost = set(np.flatnonzero(mine).tolist())
         if x.role == "prefill":  # its queue's requests fail; their decode replicas free the KV
             for rid in lost:
@@ -569,7 +628,7 @@ class Simulation:
             self.state[rid] = DONE  # finished stays NaN: failed
             self._next_client_request(now)
         self.failed += len(lost)
-        x.role, x.queue, x.kv_used = "gone", deque(), 0.0
+        x.role, x.queue, x.kv_used, x.step_done = "gone", deque(), 0.0, []
 
     def run(self) -> dict[str, Any]:
         end = float(self.r["arrival"].max()) + 120.0 if len(self.r["arrival"]) else 0.0

@@ -63,7 +63,8 @@ def base_costs(serve: dict[str, Any]) -> Costs:
     return c
 
 
-def simulate(costs: Costs, run: dict[str, Any], mode: str, rate: float, seeds: int) -> dict[str, float]:
+def simulate(costs: Costs, run: dict[str, Any], mode: str, rate: float, seeds: int,
+             prefill_steps: bool = False) -> dict[str, float]:
     """Medians over ``seeds`` draws of the run's workload (its own draw cannot be replayed)."""
     cfg = run["rows"][(mode, rate)]["config"]
     wl = run["serve"]["workload"]
@@ -71,7 +72,7 @@ def simulate(costs: Costs, run: dict[str, Any], mode: str, rate: float, seeds: i
     for seed in range(seeds):
         sim = Simulation(costs, serve_run_requests(cfg, rate, seed), prefill=1, decode=1, colocated=mode == "colocated",
                          dt=0.002, ttft_target=wl["ttft_target_s"], itl_target=wl["itl_target_s"],
-                         shared_gpu=mode == "disagg", gpus=1)
+                         shared_gpu=mode == "disagg", gpus=1, prefill_steps=prefill_steps)
         outs.append(sim.run())
     return {k: float(np.median([o[k] for o in outs])) for k in METRICS}
 
@@ -101,7 +102,7 @@ def abs_residual_summary(predicted: list[float]) -> dict[str, float]:
 def fit(costs: Costs, run: dict[str, Any], args: argparse.Namespace) -> Costs:
     """The GPU run's constants on its disaggregated rows (``FITS``: by request rate)."""
     return fit_constants(costs, FITS, args, lambda rate: measured(run["rows"][("disagg", rate)]),
-                         lambda c, rate: simulate(c, run, "disagg", rate, args.seeds))
+                         lambda c, rate: simulate(c, run, "disagg", rate, args.seeds, getattr(args, "prefill_steps", False)))
 
 
 def validate(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,7 +116,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     for run in runs:
         run_costs = dataclasses.replace(base_costs(run["serve"]), **fitted)
         for (mode, rate), row in sorted(run["rows"].items()):
-            sim = simulate(run_costs, run, mode, rate, args.seeds)
+            sim = simulate(run_costs, run, mode, rate, args.seeds, getattr(args, "prefill_steps", False))
             meas = measured(row)
             residual = {k: (sim[k] - meas[k]) / meas[k] if meas[k] else None for k in METRICS}
             fitted_on = [m for _, _, _, r, m in FITS if run is fit_run and mode == "disagg" and r == rate]
@@ -186,16 +187,31 @@ def cpu_costs(engine: dict[str, Any]) -> CpuCosts:
                     sources={"engine": engine["_file"]})
 
 
+def measured_requests(row: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The run's own requests in the order its clients sent them (prompt and output tokens), when
+    it recorded them; arrival times are unused (closed loop)."""
+    reqs = row.get("requests")
+    if not reqs or any(r.get("prompt_tokens") is None for r in reqs):
+        return None
+    n = len(reqs)
+    return {"arrival": np.zeros(n), "prompt": np.array([r["prompt_tokens"] for r in reqs], dtype=float),
+            "output": np.array([r.get("output_tokens") or row["config"]["output_len"] for r in reqs], dtype=float),
+            "phase": np.zeros(n, dtype=int)}
+
+
 def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int) -> dict[str, float]:
-    """Medians over ``seeds`` draws of the row's closed-loop workload (``concurrency`` clients)."""
+    """The row's closed-loop workload (``concurrency`` clients): the run's own requests where it
+    recorded them (one deterministic run), else medians over ``seeds`` draws of its lengths. The
+    prefill replica runs budget-packed steps (``Simulation.prefill_steps``), as the engine does."""
     cfg = row["config"]
+    own = measured_requests(row)
+    workloads = [own] if own is not None else [serve_run_requests(cfg, 1.0, seed) for seed in range(seeds)]
     outs = []
-    for seed in range(seeds):
-        requests = serve_run_requests(cfg, 1.0, seed)  # arrival times unused: closed loop
+    for requests in workloads:
         sim = Simulation(costs, requests, prefill=1, decode=1, colocated=mode == "colocated", dt=0.002,
                          ttft_target=cfg["ttft_target_s"], itl_target=cfg["itl_target_s"],
                          shared_gpu=mode == "disagg", gpus=1, concurrency=int(cfg["concurrency"]),
-                         chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None)
+                         chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None, prefill_steps=True)
         outs.append(sim.run())
     return {k: float(np.median([o[k] for o in outs])) for k in METRICS}
 
@@ -257,6 +273,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cpu-serve-file", default=None, help="default: the latest serve-cpu-*.json")
     parser.add_argument("--cpu-engine-file", default="engine-cpu-2026-12-03-lean.json",
                         help="the engine's decode step times on the CPU (same code as the serving run)")
+    parser.add_argument("--prefill-steps", action="store_true",
+                        help="GPU runs: the prefill replica in budget-packed steps (Simulation.prefill_steps; "
+                             "the CPU validation always uses them)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     result = {"validation_cpu": validate_cpu(args)} if args.cpu else {"validation": validate(args)}

@@ -113,13 +113,15 @@ def test_a_saturated_prefill_pool_sends_prompts_to_the_decode_replica(cluster, m
     assert cluster.metric("cluster:remote_prefill_failures_total", role="decode") == [0.0]
 
 
-def test_the_chunk_sizer_keeps_a_stream_going_while_long_prompts_prefill(cluster, model_dir):
+@pytest.mark.parametrize("per_step", [False, True], ids=["per-prompt-cap", "sized_chunks_per_step"])
+def test_the_chunk_sizer_keeps_a_stream_going_while_long_prompts_prefill(cluster, model_dir, per_step):
     """The chunk sizer under load, in the real app (issue 18): a colocated decode replica (no
     prefill replicas: it prefills every prompt) with a 2 ms ITL target streams one request while
     three prompts of about 900 tokens arrive. The sizer cuts their chunks (its cap, served as the
     gauge ``cluster:prefill_chunk_cap``, falls below its 256-token start), so the stream keeps
     getting tokens while they prefill instead of waiting for whole prompts; every output equals
-    ``LLM.generate``'s."""
+    ``LLM.generate``'s. With ``sized_chunks_per_step`` the cap bounds each step's prompt tokens
+    together (the three prompts one after another), served the same way."""
     stream_prompt = mixed_prompts(300, (12,), seed=41)[0]
     long_prompts = mixed_prompts(300, (880, 900, 920), seed=42)
     llm = LLM(model_dir, block_size=16)
@@ -127,7 +129,7 @@ def test_the_chunk_sizer_keeps_a_stream_going_while_long_prompts_prefill(cluster
     want_stream = llm.generate([stream_prompt], greedy.replace(max_tokens=200))[0].outputs[0].token_ids
     want_long = [o.outputs[0].token_ids for o in llm.generate(long_prompts, greedy.replace(max_tokens=4))]
     del llm
-    cluster.deploy({"model": model_dir, "prefill_replicas": 0, "target_itl_s": 0.002})
+    cluster.deploy({"model": model_dir, "prefill_replicas": 0, "target_itl_s": 0.002, "sized_chunks_per_step": per_step})
     model = model_name(model_dir)
 
     async def run() -> tuple[list[int], list[float], list[list[int]], float, float]:

@@ -157,3 +157,46 @@ def test_a_colocated_replicas_prompt_chunks_keep_its_steps_within_the_chunk_step
     assert full["itl_p99"] > 0.1 and cut["itl_p99"] <= 0.03 * 1.05  # (histogram bins: 5% wide at most)
     assert cut["ttft_p50"] > 1.2 * full["ttft_p50"]
     assert cut["tpot_p50"] < full["tpot_p50"]
+
+
+def test_prefill_steps_pack_the_queue_and_release_first_tokens_at_the_step_end():
+    """``prefill_steps``: a prefill replica packs its queue into steps of up to the token budget,
+    as the engine schedules them, and every prompt whose last chunk is in a step gets its first
+    token when that step ends: four prompts arriving together leave at once (one prompt after
+    another, the first would leave after a quarter of the time), and the work is the same."""
+    import dataclasses
+    costs = dataclasses.replace(_costs(), max_batched_tokens=4096, prefill_overhead_s=0.004)
+    n = 4
+    reqs = {"arrival": np.zeros(n), "prompt": np.full(n, 1000.0), "output": np.full(n, 8.0),
+            "phase": np.zeros(n, dtype=int)}
+    one_by_one = Simulation(costs, reqs, prefill=1, decode=1, dt=0.001)
+    stepped = Simulation(costs, reqs, prefill=1, decode=1, dt=0.001, prefill_steps=True)
+    a, b = one_by_one.run(), stepped.run()
+    assert a["completed"] == b["completed"] == n
+    first_a, first_b = one_by_one.first_token, stepped.first_token
+    assert np.ptp(first_b) < 1e-9  # together, at the step's end
+    assert first_a[0] < 0.3 * first_b[0] and abs(first_a[-1] - first_b[-1]) < 0.01 * first_b[-1] + 0.003
+    # a bigger queue than the budget: two steps, the second's prompts leave a step later
+    reqs8 = {k: np.concatenate([v, v]) for k, v in reqs.items()}
+    eight = Simulation(costs, reqs8, prefill=1, decode=1, dt=0.001, prefill_steps=True)
+    eight.run()
+    assert np.ptp(eight.first_token[:4]) < 1e-9 and np.ptp(eight.first_token[4:]) < 1e-9
+    assert eight.first_token[4] > 1.9 * eight.first_token[0] - 0.01
+
+
+def test_on_one_cpu_machine_a_busy_prefill_replica_slows_the_decode_replicas_host_work_too():
+    """Disaggregated replicas sharing one device: a GPU's decode step waits for the prefill's time
+    slices in its device work only (the host is its own); on a CPU machine (host work does not
+    overlap the compute, the same cores) the host's part slows too."""
+    import dataclasses
+    base = dataclasses.replace(_costs(), step_overhead_s=0.02, step_per_seq_s=0.0)
+    reqs = make_requests([Phase(10.0, 3.0, "rag")], seed=5)
+    gpu = Simulation(base, reqs, prefill=1, decode=1, dt=0.005, shared_gpu=True, gpus=1).run()
+    cpu = Simulation(dataclasses.replace(base, host_overlaps_gpu=False), reqs, prefill=1, decode=1, dt=0.005,
+                     shared_gpu=True, gpus=1).run()
+    alone = Simulation(dataclasses.replace(base, host_overlaps_gpu=False), reqs, prefill=1, decode=1, dt=0.005,
+                       shared_gpu=False, gpus=2).run()
+    assert cpu["completed"] == gpu["completed"] == alone["completed"] == len(reqs["arrival"])
+    # a step is host-bound here (20 ms of host work): shared, the GPU's stays near it, the CPU's doubles
+    assert gpu["itl_p50"] < 1.2 * 0.02 < 1.6 * 0.02 < cpu["itl_p90"]
+    assert cpu["itl_p90"] > 1.5 * alone["itl_p90"]
