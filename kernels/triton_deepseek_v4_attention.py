@@ -132,13 +132,10 @@ def _sparse_attention_kernel(
             if HAS_TOPK:
                 entry = tl.load(topk_ptr + t64 * stride_kt + entry, mask=n_mask, other=-1)
                 n_mask &= entry >= 0
-            # A tile of skipped picks (-1: fewer compressed entries than picks, as in a context
-            # shorter than top-k windows) costs its index load only, not its products.
-            if tl.max(n_mask.to(tl.int32), 0) > 0:
-                page = tl.load(comp_table + entry // COMP_PAGE, mask=n_mask, other=0).to(tl.int64)
-                rows = comp_ptr + page * stride_cb + (entry % COMP_PAGE).to(tl.int64) * stride_ce
-                acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, rows, n_mask, offs_d, d_mask, qk_scale,
-                                           UPCAST)
+            page = tl.load(comp_table + entry // COMP_PAGE, mask=n_mask, other=0).to(tl.int64)
+            rows = comp_ptr + page * stride_cb + (entry % COMP_PAGE).to(tl.int64) * stride_ce
+            acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, rows, n_mask, offs_d, d_mask, qk_scale,
+                                       UPCAST)
 
     if NUM_SPLITS == 1:
         sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
