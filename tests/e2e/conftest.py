@@ -61,14 +61,31 @@ class Cluster:
             time.sleep(0.5)
         raise TimeoutError("the application did not become healthy")
 
-    def wait_for_metric(self, name: str, predicate: Any, timeout: float = 10.0, **labels: str) -> list[float]:
-        """The metric's values once ``predicate(values)`` holds (replicas report every 0.5 s)."""
+    @staticmethod
+    def _poll(read: Any, done: Any, timeout: float) -> Any:
+        """``read()`` every 0.25 s until ``done(value)`` holds or ``timeout`` passes; the last value
+        (replicas report every 0.5 s)."""
         deadline = time.monotonic() + timeout
         while True:
-            values = self.metric(name, **labels)
-            if predicate(values) or time.monotonic() > deadline:
-                return values
+            value = read()
+            if done(value) or time.monotonic() > deadline:
+                return value
             time.sleep(0.25)
+
+    def wait_for_metric(self, name: str, predicate: Any, timeout: float = 10.0, **labels: str) -> list[float]:
+        """The metric's values once ``predicate(values)`` holds."""
+        return self._poll(lambda: self.metric(name, **labels), predicate, timeout)
+
+    def _samples(self, name: str, **labels: str) -> list[Any]:
+        """The scraped samples of ``name`` whose labels include ``labels``."""
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())]
+
+    def metric(self, name: str, **labels: str) -> list[float]:
+        """Values of a metric's samples whose labels include ``labels``."""
+        return [sample.value for sample in self._samples(name, **labels)]
 
     def metric_by_replica(self, name: str, **labels: str) -> dict[str, float]:
         """A counter's value per replica (label ``replica``), to take increases from: a redeploy's
@@ -76,13 +93,9 @@ class Cluster:
         taken just after a deploy may count a replica that then drops out (a CI run saw the old
         decode replica's 516 drafts vanish as the new one reached 516)."""
         by_replica: dict[str, float] = {}
-        from prometheus_client.parser import text_string_to_metric_families
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    key = sample.labels.get("replica", "")
-                    by_replica[key] = by_replica.get(key, 0.0) + sample.value
+        for sample in self._samples(name, **labels):
+            key = sample.labels.get("replica", "")
+            by_replica[key] = by_replica.get(key, 0.0) + sample.value
         return by_replica
 
     def increase(self, name: str, before: dict[str, float], **labels: str) -> float:
@@ -94,23 +107,7 @@ class Cluster:
     def wait_for_increase(self, name: str, before: dict[str, float], more_than: float, timeout: float = 10.0,
                           **labels: str) -> float:
         """The counter's increase since ``before`` once it exceeds ``more_than`` (or at the timeout)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            grown = self.increase(name, before, **labels)
-            if grown > more_than or time.monotonic() > deadline:
-                return grown
-            time.sleep(0.25)
-
-    def metric(self, name: str, **labels: str) -> list[float]:
-        """Values of a metric's samples whose labels include ``labels``."""
-        from prometheus_client.parser import text_string_to_metric_families
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        values = []
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    values.append(sample.value)
-        return values
+        return self._poll(lambda: self.increase(name, before, **labels), lambda grown: grown > more_than, timeout)
 
 
 @pytest.fixture(scope="session")
