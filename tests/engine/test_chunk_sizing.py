@@ -5,12 +5,14 @@ requests). The cap changes which tokens a step carries, never the output."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cluster import LLM, SamplingParams
 from cluster.common.errors import UnsupportedSettingError
 from cluster.config import ClusterConfig, SchedulerConfig, TransferConfig, parse_cluster_args
 from cluster.engine.scheduler import ChunkSizer
 from tests.engine.test_scheduler import make_scheduler, req, run_step
+from tests.factories import make_checkpoint, mixed_prompts
 
 
 def test_the_threshold_caps_prompt_chunks_and_leaves_decode_rows_alone():
@@ -125,8 +127,8 @@ def test_settings_and_the_decode_role_default():
     assert config.scheduler.long_prefill_token_threshold == 256
     assert config.transfer.local_prefill_itl_share == 0.5
     assert TransferConfig().local_prefill_itl_share == 0.8 and SchedulerConfig().prefill_step_target_s == 0
-    assert parse_cluster_args({"sized_chunks_per_step": "true"}, use_env=False).scheduler.sized_chunks_per_step
-    assert not SchedulerConfig().sized_chunks_per_step  # the default until the GPU gate has run it
+    assert not parse_cluster_args({"sized_chunks_per_step": "false"}, use_env=False).scheduler.sized_chunks_per_step
+    assert SchedulerConfig().sized_chunks_per_step  # the default: the cap bounds the step's prompt tokens
     with pytest.raises(UnsupportedSettingError, match="local_prefill_itl_share"):
         TransferConfig(local_prefill_itl_share=1.5)
     with pytest.raises(UnsupportedSettingError, match="long_prefill_token_threshold"):
@@ -207,3 +209,43 @@ def test_per_step_sized_chunks_in_the_engine_keep_outputs_and_the_step_bound():
     first_r1 = min(i for i, s in enumerate(steps) if "r1" in s)
     last_r0 = max(i for i, s in enumerate(steps) if "r0" in s)
     assert all("r0" in s for s in steps[first_r1:last_r0 + 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("per_step", [False, True], ids=["per-prompt-cap", "sized_chunks_per_step"])
+def test_sized_chunks_on_the_gpu_beside_graphed_pipelined_decodes(tmp_path, per_step):
+    """A GPU decode replica prefilling locally, as served (CUDA graphs, pipelined steps): three
+    long prompts arrive at once beside a decoding request under a step-time target small enough
+    to cap every chunk. The prompts' outputs equal the uncapped eager engine's; the decoding
+    request gets all its tokens; with ``sized_chunks_per_step`` no step schedules more prompt
+    tokens than the cap it was scheduled under (per prompt otherwise)."""
+    path = str(tmp_path / "llama")
+    make_checkpoint(path, "llama", max_position_embeddings=2048)
+    prompts = mixed_prompts(300, (9, 700, 650, 600), seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    common = dict(block_size=16, dtype="float32", attention_backend="triton", max_num_seqs=8,
+                  max_num_batched_tokens=2048, enable_prefix_caching=False)
+    want, _ = _engine_steps(LLM(path, enforce_eager=True, **common), prompts, params)
+    llm = LLM(path, prefill_step_target_s=0.002, sized_chunks_per_step=per_step, **common)
+    assert llm.engine.runner.graphs is not None
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+    seen: list[tuple[int, list[int]]] = []  # (the step's cap, its prompt chunks)
+
+    def traced():
+        cap = scheduler.chunk_sizer.cap
+        out = schedule()
+        seen.append((cap, [s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1]))
+        return out
+    scheduler.schedule = traced
+    got, steps = _engine_steps(llm, prompts, params)
+    assert got[1:] == want[1:] and len(got[0]) == 24
+    chunked = [(cap, chunks) for cap, chunks in seen if chunks]
+    assert len(chunked) >= 3  # uncapped, the three prompts (1950 tokens) would take one step
+    if per_step:
+        assert all(sum(chunks) <= cap for cap, chunks in chunked)
+    else:
+        assert all(max(chunks) <= cap for cap, chunks in chunked)
+    first_r1 = min(i for i, s in enumerate(steps) if "r1" in s)
+    assert any("r0" in s for s in steps[first_r1:])  # r0 kept decoding while the prompts were chunked

@@ -87,14 +87,15 @@ def make_v4_batch(seqs: list[tuple[int, int]], heads: int = 4, dim: int = 32, wi
 
 
 def random_picks(batch: V4Batch, ratio: int, topk: int, seed: int = 1) -> torch.Tensor:
-    """Distinct visible entries per query (fewer where fewer are visible), ``-1`` between them."""
+    """Distinct visible entries per query in any order (fewer where fewer are visible), then
+    ``-1`` padding, as both indexers write them (the kernel reads a query's first
+    ``min(topk, visible)`` picks only)."""
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for p in batch.positions().tolist():
         visible = (p + 1) // ratio
         picks = torch.randperm(visible, generator=gen)[:topk]
-        row = torch.cat([picks, torch.full((topk - len(picks),), -1)])
-        rows.append(row[torch.randperm(topk, generator=gen)])
+        rows.append(torch.cat([picks, torch.full((topk - len(picks),), -1)]))
     return torch.stack(rows).to(DEVICE) if rows else torch.empty(0, topk, dtype=torch.int64, device=DEVICE)
 
 
@@ -203,6 +204,8 @@ def _check_topk(out: torch.Tensor, ref: torch.Tensor, batch: V4Batch, ratio: int
         picks = out[t][out[t] >= 0]
         assert ((out[t] >= 0) | (out[t] == -1)).all(), f"row {t}: unwritten slots {out[t].tolist()}"
         assert len(picks) == min(topk, visible) == int((ref[t] >= 0).sum()), (t, out[t], ref[t])
+        # the -1 padding last in both (the sparse attention reads the first min(topk, visible))
+        assert (out[t][:len(picks)] >= 0).all() and (ref[t][:len(picks)] >= 0).all(), (t, out[t], ref[t])
         assert len(set(picks.tolist())) == len(picks) and (picks < visible).all()
         if not len(picks):
             continue
