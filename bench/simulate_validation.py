@@ -99,6 +99,41 @@ def abs_residual_summary(predicted: list[float]) -> dict[str, float]:
             "within_15pct": sum(r <= 0.15 for r in predicted), "of": len(predicted)}
 
 
+def repeats(rows: dict[str, Any]) -> dict[str, Any]:
+    """The same workload measured in several runs (``<file>:<mode>-rate<r>`` rows of one
+    ``<mode>-rate<r>``): each metric's measured values, their spread ((max - min) / median: the
+    run-to-run noise a single-run residual cannot be below), the simulated value against the
+    runs' median, and whether it lies within the measured range. The summary counts the p50s
+    that no row of the workload was fitted on."""
+    by_workload: dict[str, list[dict[str, Any]]] = {}
+    for name, row in rows.items():
+        by_workload.setdefault(name.split(":", 1)[1], []).append(row)
+    out: dict[str, Any] = {}
+    vs_median: list[float] = []
+    in_range = 0
+    for workload, runs in sorted(by_workload.items()):
+        if len(runs) < 2:
+            continue
+        fitted = {m for r in runs for m in (r["fitted_on_this_row"] or [])}
+        metrics: dict[str, Any] = {}
+        for k in METRICS:
+            values = [r["measured"][k] for r in runs]
+            sims = [r["simulated"][k] for r in runs]
+            median, sim = float(np.median(values)), float(np.median(sims))
+            within = min(values) <= sim <= max(values)
+            residual = (sim - median) / median if median else None
+            metrics[k] = {"measured": values, "median": median,
+                          "spread": (max(values) - min(values)) / median if median else None,
+                          "simulated": sim, "residual_vs_median": residual, "within_measured_range": within,
+                          "fitted_in_a_run": k in fitted}
+            if k in ("ttft_p50", "itl_p50", "tpot_p50") and k not in fitted and residual is not None:
+                vs_median.append(abs(residual))
+                in_range += within
+        out[workload] = {"runs": len(runs), "metrics": metrics}
+    summary = dict(abs_residual_summary(vs_median), within_measured_range=in_range) if vs_median else None
+    return {"workloads": out, "predicted_p50_vs_median_of_runs": summary}
+
+
 def fit(costs: Costs, run: dict[str, Any], args: argparse.Namespace) -> Costs:
     """The GPU run's constants on its disaggregated rows (``FITS``: by request rate)."""
     return fit_constants(costs, FITS, args, lambda rate: measured(run["rows"][("disagg", rate)]),
@@ -130,6 +165,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": "simulator-validation", "environment": environment(), "fit_file": fit_run["file"],
             "fitted": fitted, "costs": dataclasses.asdict(costs),
             "predicted_p50_abs_residual": abs_residual_summary(predicted),
+            "repeats": repeats(out_rows),
             "rows": out_rows,
             "note": "fitted on the disaggregated rows of fit_file (ITL p50 and TTFT p50 at 4 and 8 req/s); every "
                     "other number is a prediction. Disaggregated rows: prefill and decode replicas time-slice one "

@@ -200,3 +200,28 @@ def test_on_one_cpu_machine_a_busy_prefill_replica_slows_the_decode_replicas_hos
     # a step is host-bound here (20 ms of host work): shared, the GPU's stays near it, the CPU's doubles
     assert gpu["itl_p50"] < 1.2 * 0.02 < 1.6 * 0.02 < cpu["itl_p90"]
     assert cpu["itl_p90"] > 1.5 * alone["itl_p90"]
+
+
+def test_validation_reports_repeated_runs_against_their_median_and_spread():
+    """The same workload served in several runs: the validation reports the measured values,
+    their run-to-run spread, the simulated value against their median, and counts only the p50s
+    no run was fitted on."""
+    from bench.simulate_validation import METRICS, repeats
+
+    def row(values, sim, fitted=None):
+        return {"measured": dict.fromkeys(METRICS, 1.0) | values, "simulated": dict.fromkeys(METRICS, 1.0) | sim,
+                "fitted_on_this_row": fitted}
+    rows = {"a.json:disagg-rate4": row({"itl_p50": 2.0, "ttft_p50": 0.10}, {"itl_p50": 2.6, "ttft_p50": 0.09}),
+            "b.json:disagg-rate4": row({"itl_p50": 3.0, "ttft_p50": 0.12}, {"itl_p50": 2.6, "ttft_p50": 0.09},
+                                       fitted=["ttft_p50"]),
+            "c.json:disagg-rate4": row({"itl_p50": 4.0, "ttft_p50": 0.11}, {"itl_p50": 2.6, "ttft_p50": 0.09}),
+            "a.json:colocated-rate4": row({}, {})}  # measured once: no repeat
+    out = repeats(rows)
+    assert list(out["workloads"]) == ["disagg-rate4"]
+    itl = out["workloads"]["disagg-rate4"]["metrics"]["itl_p50"]
+    assert itl["measured"] == [2.0, 3.0, 4.0] and itl["median"] == 3.0 and abs(itl["spread"] - 2 / 3) < 1e-12
+    assert abs(itl["residual_vs_median"] - (2.6 - 3.0) / 3.0) < 1e-12 and itl["within_measured_range"]
+    ttft = out["workloads"]["disagg-rate4"]["metrics"]["ttft_p50"]
+    assert ttft["fitted_in_a_run"] and not ttft["within_measured_range"]
+    summary = out["predicted_p50_vs_median_of_runs"]
+    assert summary["of"] == 2 and summary["within_15pct"] == 2 and summary["within_measured_range"] == 2  # itl, tpot
