@@ -104,12 +104,31 @@ def _lengths(rng: random.Random, mean: int, spread: float, n: int) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
+def request_lengths(config: BenchConfig, rng: random.Random | None = None) -> tuple[list[int], list[int]]:
+    """Prompt and output lengths of every request, warm-up ones first (the first draws of the
+    ``config.seed`` stream, so a run's workload can be replayed from its recorded config)."""
+    rng = rng or random.Random(config.seed)
+    n = config.num_requests + config.warmup
+    return (_lengths(rng, config.input_len, config.input_len_range, n),
+            _lengths(rng, config.output_len, config.output_len_range, n))
+
+
+def arrival_times(config: BenchConfig) -> list[float]:
+    """When each timed request is sent, seconds after the timed phase starts (Poisson at
+    ``config.rate`` from the ``config.seed + 1`` stream; all at 0 without a rate)."""
+    rng = random.Random(config.seed + 1)
+    at, times = 0.0, []
+    for _ in range(config.num_requests):
+        times.append(at)
+        if config.rate:
+            at += rng.expovariate(config.rate)
+    return times
+
+
 def build_prompts(config: BenchConfig) -> list[tuple[str | list[int], int, int]]:
     """(prompt, prompt length asked for, output length) for every request, seeded."""
     rng = random.Random(config.seed)
-    n = config.num_requests + config.warmup
-    inputs = _lengths(rng, config.input_len, config.input_len_range, n)
-    outputs = _lengths(rng, config.output_len, config.output_len_range, n)
+    inputs, outputs = request_lengths(config, rng)
     lo, hi = config.token_id_range
     prompts: list[tuple[str | list[int], int, int]] = []
     for length, out_len in zip(inputs, outputs):
@@ -168,7 +187,6 @@ async def _send(http: httpx.AsyncClient, config: BenchConfig, prompt: str | list
 async def _run(config: BenchConfig) -> tuple[list[RequestRecord], float]:
     prompts = build_prompts(config)
     warmup, timed = prompts[:config.warmup], prompts[config.warmup:]
-    rng = random.Random(config.seed + 1)
     gate = asyncio.Semaphore(config.concurrency or len(timed) or 1)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=config.concurrency or max(1, len(timed)), max_keepalive_connections=64)
@@ -183,11 +201,8 @@ async def _run(config: BenchConfig) -> tuple[list[RequestRecord], float]:
             async with gate:
                 return await _send(http, config, prompt, prompt_len, out_len, t0)
 
-        at, tasks = 0.0, []
-        for prompt, prompt_len, out_len in timed:
-            tasks.append(asyncio.create_task(one(prompt, prompt_len, out_len, at)))
-            if config.rate:
-                at += rng.expovariate(config.rate)
+        tasks = [asyncio.create_task(one(prompt, prompt_len, out_len, at))
+                 for (prompt, prompt_len, out_len), at in zip(timed, arrival_times(config))]
         records = list(await asyncio.gather(*tasks))
         return records, time.perf_counter() - t0
 

@@ -63,14 +63,28 @@ def base_costs(serve: dict[str, Any]) -> Costs:
     return c
 
 
+def run_requests(cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The requests a serving run sent, replayed from its recorded client config: the same seeded
+    draws of ``bench/serve.py`` (lengths from ``seed``, Poisson arrivals from ``seed + 1``),
+    warm-up requests left out."""
+    from bench.serve import BenchConfig, arrival_times, request_lengths
+    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    config = BenchConfig(**{k: v for k, v in cfg.items() if k in fields})
+    inputs, outputs = request_lengths(config)
+    n = config.num_requests
+    return {"arrival": np.asarray(arrival_times(config)), "prompt": np.asarray(inputs[config.warmup:]),
+            "output": np.asarray(outputs[config.warmup:]), "phase": np.zeros(n, dtype=int)}
+
+
 def simulate(costs: Costs, run: dict[str, Any], mode: str, rate: float, seeds: int,
              prefill_steps: bool = False) -> dict[str, float]:
-    """Medians over ``seeds`` draws of the run's workload (its own draw cannot be replayed)."""
+    """The run's own requests (``seeds`` 0), or medians over ``seeds`` other draws of its workload."""
     cfg = run["rows"][(mode, rate)]["config"]
     wl = run["serve"]["workload"]
+    draws = [run_requests(cfg)] if seeds == 0 else [serve_run_requests(cfg, rate, seed) for seed in range(seeds)]
     outs = []
-    for seed in range(seeds):
-        sim = Simulation(costs, serve_run_requests(cfg, rate, seed), prefill=1, decode=1, colocated=mode == "colocated",
+    for requests in draws:
+        sim = Simulation(costs, requests, prefill=1, decode=1, colocated=mode == "colocated",
                          dt=0.002, ttft_target=wl["ttft_target_s"], itl_target=wl["itl_target_s"],
                          shared_gpu=mode == "disagg", gpus=1, prefill_steps=prefill_steps)
         outs.append(sim.run())
@@ -170,7 +184,10 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
             "note": "fitted on the disaggregated rows of fit_file (ITL p50 and TTFT p50 at 4 and 8 req/s); every "
                     "other number is a prediction. Disaggregated rows: prefill and decode replicas time-slice one "
                     "GPU (prefill gets what decode's GPU work leaves, at least half; decode's GPU part waits for "
-                    "prefill's slices). Seeds: medians over draws of each row's workload, not its own draw."}
+                    "prefill's slices). Workload: " + (
+                        "each row's own requests, replayed from its recorded client config (bench/serve.py's "
+                        "seeded draws)" if args.seeds == 0 else
+                        f"medians over {args.seeds} other draws of each row's workload, not its own draw")}
 
 
 # --- the CPU serving run: closed-loop clients on one 2-core machine ---------------------------------
@@ -302,7 +319,9 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fit-file", default=None)
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=5,
+                        help="GPU runs: 0 replays each run's own requests (its recorded client config); N: medians "
+                             "over N other draws of its workload")
     parser.add_argument("--fit-iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="validate against the CPU serving run instead")

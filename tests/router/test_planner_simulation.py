@@ -225,3 +225,30 @@ def test_validation_reports_repeated_runs_against_their_median_and_spread():
     assert ttft["fitted_in_a_run"] and not ttft["within_measured_range"]
     summary = out["predicted_p50_vs_median_of_runs"]
     assert summary["of"] == 2 and summary["within_15pct"] == 2 and summary["within_measured_range"] == 2  # itl, tpot
+
+
+def test_the_validation_replays_each_serving_runs_own_requests():
+    """The committed H200 serving runs' requests, rebuilt from each row's recorded client config
+    by bench/serve.py's own seeded draws: the same prompt and output token totals the runs
+    recorded, Poisson arrivals at the row's rate from 0."""
+    import glob
+    import json
+    import os
+
+    from bench.simulate import RESULTS
+    from bench.simulate_validation import run_requests
+    rows = 0
+    for path in sorted(glob.glob(os.path.join(RESULTS, "serve-h200-*.json"))):
+        with open(path) as f:
+            serve = json.load(f)
+        for mode in ("disagg", "colocated"):
+            for rate, row in serve["modes"][mode]["runs"].items():
+                requests = run_requests(row["config"])
+                assert len(requests["arrival"]) == row["num_requests"] == len(requests["prompt"])
+                assert int(requests["prompt"].sum()) == row["total_prompt_tokens"]
+                assert int(requests["output"].sum()) == row["total_output_tokens"]
+                gaps = np.diff(requests["arrival"])
+                assert requests["arrival"][0] == 0.0 and (gaps > 0).all()
+                assert 0.5 / float(rate) < gaps.mean() < 2.0 / float(rate)
+                rows += 1
+    assert rows >= 12
