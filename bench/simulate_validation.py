@@ -216,12 +216,14 @@ class CpuCosts(Costs):
 
 
 #: (parameter, low, high, the row (mode, phase) whose metric it matches, metric): the host's time
-#: per step and per running sequence from the colocated ITL at concurrency 1 and 8; a first
+#: per step from the colocated ITL at concurrency 1, per running sequence from the disaggregated
+#: ITL at 8 (its decode replica only decodes; the colocated replica's steps at 8 carry prompt
+#: chunks, sized to its step target, which sets their ITL whatever the host costs); a first
 #: token's fixed host path and the prefill time per token from the colocated TTFT at concurrency
 #: 1 (p50 and p90: the prompts are 128-384 tokens, so the p90 prices the longer ones); the
 #: hand-over from the disaggregated TTFT at concurrency 1.
 CPU_FITS = (("step_overhead_s", 1e-4, 0.2, ("colocated", "probe"), "itl_p50"),
-            ("step_per_seq_s", 1e-5, 0.05, ("colocated", "load"), "itl_p50"),
+            ("step_per_seq_s", 1e-5, 0.05, ("disagg", "load"), "itl_p50"),
             ("ttft_fixed_s", 1e-3, 0.6, ("colocated", "probe"), "ttft_p50"),
             ("prefill_token_s", 1e-5, 2e-2, ("colocated", "probe"), "ttft_p90"),
             ("transfer_fixed_s", 1e-4, 2.0, ("disagg", "probe"), "ttft_p50"))
@@ -306,12 +308,13 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
             "rows": out_rows,
             "note": "closed-loop clients as the serving benchmark runs them (concurrency 1 for the probe, 8 for the "
                     "load; 10 and 32 requests, 256 +- 50% prompt tokens, 32 out); fitted: the serving host's time "
-                    "per step (colocated ITL p50 at concurrency 1) and per running sequence (at 8), a first token's "
+                    "per step (colocated ITL p50 at concurrency 1) and per running sequence (disaggregated ITL p50 at 8: its "
+                    "decode replica only decodes), a first token's "
                     "fixed host path and the prefill time per token (colocated TTFT p50 and p90 at 1) and the "
                     "disaggregated hand-over (disaggregated TTFT p50 at 1); the share of streamed tokens that bring no "
                     "text (their chunk's gap spans two steps; ITL is per text chunk) from the colocated probe's ITL mean "
                     "over its TPOT mean (neither a compared metric); every other number (the ITL p90s, TPOT, "
-                    "the disaggregated ITLs, both runs' TTFT at 8) is a prediction. The decode compute is the engine's measured step time by batch. Disaggregated: "
+                    "the colocated ITL at 8, the disaggregated ITL at 1, both runs' TTFT at 8) is a prediction. The decode compute is the engine's measured step time by batch. Disaggregated: "
                     "prefill and decode replicas time-slice the same two cores. Goodput fractions are reported but "
                     "not counted in the residual summary (a fraction of 10 or 32 requests)."}
 
