@@ -127,8 +127,8 @@ def test_settings_and_the_decode_role_default():
     assert config.scheduler.long_prefill_token_threshold == 256
     assert config.transfer.local_prefill_itl_share == 0.5
     assert TransferConfig().local_prefill_itl_share == 0.8 and SchedulerConfig().prefill_step_target_s == 0
-    assert not parse_cluster_args({"sized_chunks_per_step": "false"}, use_env=False).scheduler.sized_chunks_per_step
-    assert SchedulerConfig().sized_chunks_per_step  # the default: the cap bounds the step's prompt tokens
+    assert parse_cluster_args({"sized_chunks_per_step": "true"}, use_env=False).scheduler.sized_chunks_per_step
+    assert not SchedulerConfig().sized_chunks_per_step  # the default until the GPU gate has run it
     with pytest.raises(UnsupportedSettingError, match="local_prefill_itl_share"):
         TransferConfig(local_prefill_itl_share=1.5)
     with pytest.raises(UnsupportedSettingError, match="long_prefill_token_threshold"):
