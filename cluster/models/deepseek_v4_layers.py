@@ -33,8 +33,6 @@ class V4RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # rms_norm's out_dtype=x.dtype would round the float32 product in the norm (no copy kernel
-        # after it, 14 a step): not used until the GPU gate has run it
         return self.kernel(x, self.weight, self.eps)[0].to(x.dtype)
 
 
