@@ -164,12 +164,12 @@ class SchedulerConfig:
     #: target (``local_prefill_itl_share``), so a prompt prefilled on a decode replica does not
     #: stall its decoding requests.
     prefill_step_target_s: float = 0.0
-    #: What the learned chunk cap bounds: the prompt tokens of the whole step (True:
+    #: What the learned chunk cap bounds: the prompt tokens of the whole step (True, the default:
     #: Sarathi-Serve's per-step budget, so k prompts prefilling at once still keep the step near
-    #: the target; prompts in arrival order) or each prompt's chunk (False, the default until the
-    #: GPU gate has run it: with k prompts at once the sizer settles at steps about k times the
-    #: target, since it learns from the step's total but caps each prompt).
-    sized_chunks_per_step: bool = False
+    #: the target; prompts in arrival order) or each prompt's chunk (False: with k prompts at once
+    #: the sizer settles at steps about k times the target, since it learns from the step's total
+    #: but caps each prompt).
+    sized_chunks_per_step: bool = True
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

@@ -328,15 +328,17 @@ def matmul(x: torch.Tensor, weight: NativeBlocks) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``kernels.norm.rms_norm_ref``'s contract, natively for float32 CPU rows: returns
     ``(norm(x + residual) * weight, x + residual)`` (without a residual the second is None): one
     call where the reference takes five torch ops. Other dtypes and devices take the reference.
     Each row's numbers are the same whatever the rows beside it."""
     if (x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.device.type != "cpu"
-            or (residual is not None and residual.dtype is not torch.float32)):
+            or (residual is not None and residual.dtype is not torch.float32)
+            or out_dtype not in (None, torch.float32)):
         from kernels.norm import rms_norm_ref
-        return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_ref(x, weight, eps, residual, out_dtype)
     dim = x.shape[-1]
     if weight.shape != (dim,):
         raise ValueError(f"weight must be [{dim}], got {tuple(weight.shape)}")

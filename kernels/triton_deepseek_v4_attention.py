@@ -93,10 +93,13 @@ def _sparse_attention_kernel(
     win_lo = pos + 1 - n_win  # first window position (>= min_pos)
     n_comp = 0
     if HAS_COMP:
+        n_comp = (pos + 1) // ratio  # the query's visible compressed entries
         if HAS_TOPK:
-            n_comp = num_picks
-        else:
-            n_comp = (pos + 1) // ratio
+            # Picks are distinct and their -1 padding comes last (as the indexer writes them),
+            # so a query's valid picks are within its first min(k, visible) slots: the rest
+            # (three quarters of them for a CSA query at 512 tokens of context, 512 picks of 128
+            # entries) are neither loaded nor folded, and their splits are not launched work.
+            n_comp = tl.minimum(num_picks, n_comp)
     total = n_win + n_comp
     part = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * part
@@ -203,7 +206,9 @@ def sparse_attention_triton(q: torch.Tensor, window_cache: torch.Tensor, window_
     """``q [T, H, D]`` over paged ``window_cache [num_blocks, block_size, D]`` (and
     ``compressed_cache [num_blocks, entries_per_block, D]``) -> ``[T, H, D]`` in ``q``'s dtype.
     Same semantics as :func:`kernels.deepseek_v4_ref.sparse_attention_ref` (picks in
-    ``topk_indices [T, k]`` are distinct; ``-1`` skipped). ``query_start_loc``/``seq_lens``: device
+    ``topk_indices [T, k]`` are distinct; ``-1`` skipped) for picks whose ``-1`` padding is last,
+    as :func:`kernels.triton_deepseek_v4_indexer.indexer_topk_triton` writes them: a query reads
+    only its first ``min(k, (position + 1) // ratio)`` picks (it sees no more entries than that). ``query_start_loc``/``seq_lens``: device
     copies of the lists (saves a host-to-device copy). ``num_splits`` defaults to
     :func:`sparse_attention_num_splits`."""
     for name, t in (("q", q), ("window_cache", window_cache), ("compressed_cache", compressed_cache)):

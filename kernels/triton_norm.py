@@ -24,11 +24,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     inv = tl.rsqrt(tl.sum(h * h, 0) / hidden + eps)
     normed = (h * inv).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # a narrower output: the float32 product rounded once, to nearest even (as torch casts)
     tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None
+                    residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x [..., H]``, ``weight [H]``, optional ``residual`` like ``x``. Returns
     ``(norm(x + residual) * weight, x + residual)``; without a residual the second is None.
@@ -37,8 +38,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x2 = x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    out_dtype = out_dtype or torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)  # the float32 product rounded once
     res2 = res_out = None
     if residual is not None:
         res2 = residual.reshape(-1, hidden)

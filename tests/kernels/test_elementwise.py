@@ -41,6 +41,30 @@ def test_rms_norm(dtype: torch.dtype, with_residual: bool, hidden: int) -> None:
         assert out_res is None
 
 
+@pytest.mark.gpu  # the GPU gate runs it compiled too (and on the CPU through the interpreter)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_out_dtype_rounds_the_float32_product_once(with_residual: bool) -> None:
+    """DeepSeek-V4's norms: bf16 rows, a float32 weight. ``out_dtype=bf16`` writes exactly what
+    casting the float32 product would (one rounding, no copy kernel), in every implementation."""
+    from kernels import cpu_native
+    torch.manual_seed(3)
+    x = torch.randn(6, 4096, device=DEVICE).to(torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(4096, device=DEVICE)
+    res = torch.randn_like(x) if with_residual else None
+    impls = [rms_norm_ref, rms_norm_triton] + ([cpu_native.rms_norm] if DEVICE == "cpu" else [])
+    for impl in impls:
+        wide, wide_res = impl(x, w, 1e-6, res)
+        narrow, narrow_res = impl(x, w, 1e-6, res, out_dtype=torch.bfloat16)
+        assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+        if impl is rms_norm_triton and not ON_GPU:  # the interpreter truncates bf16 casts: one ulp
+            torch.testing.assert_close(narrow, wide.to(torch.bfloat16), rtol=2 ** -7, atol=0)
+        else:  # compiled, Triton's float downcasts round to nearest even, as torch's
+            assert torch.equal(narrow, wide.to(torch.bfloat16)), impl.__name__
+        assert (narrow_res is None) == (res is None) and (res is None or torch.equal(narrow_res, wide_res))
+    _close(rms_norm_triton(x, w, 1e-6, res, out_dtype=torch.bfloat16)[0],
+           rms_norm_ref(x, w, 1e-6, res, out_dtype=torch.bfloat16)[0])
+
+
 def test_rms_norm_per_head_strided() -> None:
     """Qwen3's q/k norm: normalize each head of a strided ``[T, H, D]`` view."""
     torch.manual_seed(1)
