@@ -13,6 +13,7 @@ A batch is a flat run of query tokens: sequence ``i`` owns query rows
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,8 +103,18 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if meta.decode_only:
         return _decode_batched(q, k_cache, v_cache, meta, scale, sliding_window)
     out = torch.empty_like(q)
+    attend_sequences(q, k_cache, v_cache, meta, scale, sliding_window, range(meta.num_seqs), out)
+    return out
+
+
+def attend_sequences(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: PagedAttentionMetadata, scale: float, sliding_window: int | None,
+                     seqs: Iterable[int], out: torch.Tensor) -> None:
+    """:func:`paged_attention_ref`'s per-sequence path for the sequences ``seqs`` only: their query
+    rows of ``out`` are written, the others left as they are (a caller that runs some rows
+    elsewhere, as the CPU-native decode kernel does a mixed step's one-token rows)."""
     block_size = k_cache.shape[1]
-    for i in range(meta.num_seqs):
+    for i in seqs:
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len = meta.seq_lens_cpu[i]
         q_len = end - start
@@ -120,7 +131,6 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
         out[start:end] = _sdpa(q[start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                mask[None, None], scale)[0]
-    return out
 
 
 def _decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

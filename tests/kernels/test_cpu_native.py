@@ -474,6 +474,38 @@ def test_prompt_rows_and_other_inputs_take_the_reference_attention():
 
 
 @native
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_mixed_steps_one_query_rows_run_natively_and_its_prompt_rows_as_the_reference(window):
+    """A step of prompt chunks beside decoding requests (sequences of 1, 4, 1, 1 and 3 query rows,
+    interleaved): the one-query rows are the decode kernel's numbers, exactly what they would be
+    in a step of decodes alone (a row's numbers do not depend on the rows beside it), and close
+    to the reference's; the prompt rows are the reference's per-sequence numbers exactly."""
+    from kernels.attention import PagedAttentionMetadata, paged_attention_ref
+    cache = _cache(torch.float32, 2, 32, seed=5)
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
+    q_lens, seq_lens = [1, 4, 1, 1, 3], [9, 20, 33, 1, 12]
+    tables = torch.randperm(80, generator=torch.Generator().manual_seed(6))[:40].view(5, 8).int()
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], 4, 32, generator=torch.Generator().manual_seed(7))
+    meta = PagedAttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables, slot_mapping=torch.zeros(starts[-1], dtype=torch.int64), query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+    got = cpu_native.paged_attention(q, k_cache, v_cache, meta, 0.2, window)
+    want = paged_attention_ref(q, k_cache, v_cache, meta, 0.2, window)
+    single = [i for i, n in enumerate(q_lens) if n == 1]
+    rows = [starts[i] for i in single]
+    decode_alone = cpu_native.paged_attention(q[rows], k_cache, v_cache,
+                                              _decode_meta([seq_lens[i] for i in single], tables[single]), 0.2, window)
+    assert torch.equal(got[rows], decode_alone)
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-5, atol=2e-6)
+    prompt_rows = [r for i, n in enumerate(q_lens) if n > 1 for r in range(starts[i], starts[i + 1])]
+    assert torch.equal(got[prompt_rows], want[prompt_rows])
+
+
+@native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_per_layer_is_the_two_calls_numbers(dtype):
     from kernels.rotary import rope_cos_sin
