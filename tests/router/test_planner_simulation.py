@@ -252,3 +252,29 @@ def test_the_validation_replays_each_serving_runs_own_requests():
                 assert 0.5 / float(rate) < gaps.mean() < 2.0 / float(rate)
                 rows += 1
     assert rows >= 12
+
+
+def test_the_offline_replay_serves_a_served_rows_requests_with_its_clients_and_step_target(tmp_path):
+    """``bench/offline_replay.py``: the served row's seeded requests (its recorded client config)
+    through the offline engine, the same number in flight and the served colocated replica's
+    chunk step target; every request completes with its output length, and the served row is
+    set against the replay's medians."""
+    import json
+    from bench import offline_replay
+    from bench.serve import BenchConfig, request_lengths
+    config = {"base_url": "", "model": "SmolLM2-135M-Instruct", "num_requests": 5, "rate": None, "concurrency": 2,
+              "input_len": 40, "output_len": 3, "input_len_range": 0.5, "output_len_range": 0.0,
+              "ttft_target_s": 2.0, "itl_target_s": 0.25, "seed": 3, "label": "colocated-load", "prompt_kind": "ids",
+              "token_id_range": [100, 1000], "temperature": 0.0, "ignore_eos": True, "warmup": 1, "timeout_s": 60.0}
+    row = {"config": config, "ttft_s": {"p50": 0.5, "p90": 0.9}, "itl_s": {"p50": 0.05, "p90": 0.08},
+           "output_token_throughput_tps": 20.0}
+    serve_file = tmp_path / "serve.json"
+    serve_file.write_text(json.dumps({"runs": {"colocated": {"load": row}}}))
+    out = offline_replay.main(["--serve-file", str(serve_file), "--repeats", "1", "--out", str(tmp_path / "r.json")])
+    _, outputs = request_lengths(BenchConfig(**dict(config, token_id_range=(100, 1000))))
+    run = out["repeats"][0]
+    assert run["completed"] == 5 and run["output_tokens"] == sum(outputs[1:]) == 15
+    assert out["prefill_step_target_s"] > 0 and out["sized_chunks_per_step"] is True
+    assert 0 < run["ttft_p50_s"] <= run["ttft_p90_s"] and run["itl_p50_s"] > 0
+    assert out["served_over_offline"]["ttft_p50_s"] == 0.5 / out["median"]["ttft_p50_s"]
+    assert json.loads((tmp_path / "r.json").read_text())["benchmark"] == "offline-replay"
