@@ -5,7 +5,8 @@ The served colocated replica is a decode replica prefilling locally: its chunk s
 ``local_prefill_itl_share * target_itl_s`` a step (``sized_chunks_per_step`` as configured). Here
 the same engine settings, the same seeded prompts and output lengths (``bench/serve.py``'s
 draws, from the row's recorded client config) and the same number of clients in flight (a
-finished request's client sends the next at once), without Ray, HTTP or a load generator. Set
+finished request's client sends the next at once), without Ray, HTTP or a load generator, and
+without prefix caching (each repeat sends the same prompts again). Set
 beside the served row and the simulator's prediction of it, it says how much of the served
 TTFT is the engine's and how much the serving stack's, on the same machine.
 
@@ -102,7 +103,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = dict(row["config"], token_id_range=tuple(row["config"]["token_id_range"]))
     config = BenchConfig(**cfg)
     step_target = TransferConfig().local_prefill_itl_share * ClusterConfig().target_itl_s
-    llm = LLM(args.model, max_num_seqs=int(config.concurrency or 1), prefill_step_target_s=step_target)
+    # prefix caching off: the repeats send the same prompts, which would otherwise hit the cache
+    # (the served run's prompts are distinct random ids: it had no hits to give)
+    llm = LLM(args.model, max_num_seqs=int(config.concurrency or 1), prefill_step_target_s=step_target,
+              enable_prefix_caching=False)
     per_step = llm.engine.scheduler.config.sized_chunks_per_step
     runs = [replay(llm, config) for _ in range(args.repeats)]
     for r in runs:
