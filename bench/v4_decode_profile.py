@@ -10,7 +10,10 @@ weights; for each batch, 512-token prompts, then decode). Two passes per batch:
                    every kernel name.
   graphs           the same steps replayed from CUDA graphs (pipelined), under ``torch.profiler``:
                    kernel time per step by kernel name, then by class through the scoped pass's
-                   name -> class map (a name the scoped pass never saw is ``unmapped``); kernels
+                   name -> class map, or for our Triton kernels their name (``TRITON_KERNEL_CLASSES``:
+                   the profiler does not tie a Triton launch, made through the driver API, to the
+                   scope that made it, so the scoped pass never sees them; its rows leave them
+                   out); a name neither knows is ``unmapped``; kernels
                    per step; the step's wall time. A generic kernel (an elementwise add, a
                    reduction) that several classes launch is split between them as its time was
                    in the scoped pass.
@@ -52,6 +55,54 @@ from bench.v4_decode_gpu import make_engine, step_bytes  # noqa: E402
 PREFIX = "v4/"
 CLASSES = ("projections", "hyper_connections", "compressor", "indexer", "sparse_attention", "router", "moe",
            "norms_rotary", "attention_glue", "logits", "outside_model")
+
+
+#: Our Triton kernels by the class of the code that launches them (``kernels/triton_*.py``).
+TRITON_KERNEL_CLASSES = {
+    "_w13_swiglu_kernel": "moe", "_w2_kernel": "moe", "_sum_top_k_kernel": "moe", "_align_kernel": "moe",
+    "_silu_and_mul_kernel": "moe",  # the shared expert's activation
+    "_hc_mix_kernel": "hyper_connections", "_hc_pre_finish_kernel": "hyper_connections",
+    "_hc_post_kernel": "hyper_connections",
+    "_compress_decode_kernel": "compressor", "_compress_decode_paged_kernel": "compressor",
+    "_compress_store_kernel": "compressor",
+    "_indexer_scores_kernel": "indexer", "_topk_kernel": "indexer",
+    "_sparse_attention_kernel": "sparse_attention", "_merge_kernel": "sparse_attention",
+    "_norm_rope_kernel": "norms_rotary", "_rms_norm_kernel": "norms_rotary", "_rotary_kernel": "norms_rotary",
+    "_route_kernel": "router", "_filter_kernel": "outside_model",
+}
+
+
+def kernel_class(name: str, name_class: dict[str, dict[str, float]]) -> dict[str, float]:
+    """A kernel name's class shares: as the scoped pass saw it, else by our Triton kernel's name."""
+    if name in name_class:
+        return name_class[name]
+    if name in TRITON_KERNEL_CLASSES:
+        return {TRITON_KERNEL_CLASSES[name]: 1.0}
+    return {"unmapped": 1.0}
+
+
+def roofline_by_class(classes: dict[str, dict[str, float]], need: dict[str, float],
+                      bandwidth: float) -> dict[str, dict[str, float | None]]:
+    """Per class of bytes (``class_bytes``), its time at the copy bandwidth against the time spent."""
+    out: dict[str, dict[str, float | None]] = {}
+    for cls, nbytes in need.items():
+        roof_us = 1e6 * nbytes / bandwidth
+        spent = sum(classes.get(c, {}).get("us_per_step", 0.0)
+                    for c in (("sparse_attention", "indexer") if cls == "attention_and_indexer_kv" else (cls,)))
+        out[cls] = {"roofline_us": roof_us, "spent_us": spent, "pct_of_roofline": 100 * roof_us / spent if spent else None}
+    return out
+
+
+def classes_from_table(table: list[dict[str, Any]], name_class: dict[str, dict[str, float]]
+                       ) -> dict[str, dict[str, float]]:
+    """Per-class time and kernels a step from a row's kernel table (``us_per_step``, ``calls_per_step``)."""
+    per_class: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for k in table:
+        for cls, share in kernel_class(k["kernel"], name_class).items():  # a generic kernel: split as in eager
+            per_class[cls][0] += k["us_per_step"] * share
+            per_class[cls][1] += k["calls_per_step"] * share
+    return {c: {"us_per_step": v[0], "kernels_per_step": v[1]}
+            for c, v in sorted(per_class.items(), key=lambda kv: -kv[1][0])}
 
 
 def _scoped(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -169,20 +220,12 @@ def graph_pass(engine: Any, batch: int, prompt: int, new: int, steps: int,
     _settle(engine, batch, prompt, new, f"g{batch}")
     prof, walls = _profiled_steps(engine, steps, True, host_ops=False)
     kernels = kernel_times(prof)
-    per_class: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for name, (us, calls) in kernels.items():
-        for cls, share in name_class.get(name, {"unmapped": 1.0}).items():  # a generic kernel: split as in eager
-            c = per_class[cls]
-            c[0] += us * share
-            c[1] += calls * share
-    table = sorted(({"kernel": n, "classes": name_class.get(n, {"unmapped": 1.0}), "us_per_step": v[0] / steps,
+    table = sorted(({"kernel": n, "classes": kernel_class(n, name_class), "us_per_step": v[0] / steps,
                      "calls_per_step": v[1] / steps} for n, v in kernels.items()), key=lambda r: -r["us_per_step"])
     return {"batch": batch, "steps": steps, "step_wall_ms": 1000 * median(walls[1:] or walls),
             "gpu_kernel_ms_per_step": sum(v[0] for v in kernels.values()) / steps / 1000,
             "kernels_per_step": sum(v[1] for v in kernels.values()) / steps,
-            "classes": {c: {"us_per_step": v[0] / steps, "kernels_per_step": v[1] / steps}
-                        for c, v in sorted(per_class.items(), key=lambda kv: -kv[1][0])},
-            "kernels": table[:50]}
+            "classes": classes_from_table(table, name_class), "kernels": table[:50]}
 
 
 def class_bytes(model: Any, batch: int, context: int) -> dict[str, float]:
@@ -206,6 +249,29 @@ def class_bytes(model: Any, batch: int, context: int) -> dict[str, float]:
     return dict(out)
 
 
+def reclassify(path: str, out: str) -> dict[str, Any]:
+    """An earlier result's graphs rows with their Triton kernels in their classes (``kernel_class``);
+    the bytes per class from the scoped row of the same batch; nothing re-measured."""
+    with open(path) as f:
+        result = json.load(f)
+    bandwidth = 1e9 * result["copy_bandwidth_GBps"]
+    for key, row in result["rows"].items():
+        if not key.startswith("graphs-"):
+            continue
+        row["classes"] = classes_from_table(row["kernels"], result.get("kernel_classes", {}))
+        for k in row["kernels"]:
+            k["classes"] = kernel_class(k["kernel"], result.get("kernel_classes", {}))
+        need = result["rows"].get(key.replace("graphs-", "scoped-"), {}).get("bytes")
+        if need:
+            row["bytes"] = need
+            row["roofline"] = roofline_by_class(row["classes"], need, bandwidth)
+        row["classes_from"] = "the row's kernel table (its 50 largest kernels), reclassified by bench/v4_decode_profile.py --reclassify"
+    result["reclassified_from"] = os.path.basename(path)
+    result["reclassified_environment"] = environment()  # the run's own stays in "environment"
+    write_result(out, result)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=f"bench/results/v4-decode-profile-h200-{datetime.date.today()}.json")
@@ -213,7 +279,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--tiny", action="store_true", help="toy widths (plumbing check)")
+    parser.add_argument("--reclassify", default=None,
+                        help="a result file: recompute its graphs rows' classes and per-class rooflines from their "
+                             "kernel tables (the 50 largest kernels) with the Triton names, and write it to --out")
     args = parser.parse_args(argv)
+    if args.reclassify:
+        return reclassify(args.reclassify, args.out)
     on_gpu = args.device.startswith("cuda")
     batches = [int(b) for b in args.batches.split(",")]
     prompt, new = (24, args.steps + 12) if args.tiny else (512, args.steps + 24)
@@ -239,15 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
             need = class_bytes(engine.model, batch, prompt + args.steps)
             row["bytes"] = need
-            if bandwidth:
-                for cls, nbytes in need.items():
-                    roof_us = 1e6 * nbytes / bandwidth
-                    spent = sum(row["classes"].get(c, {}).get("us_per_step", 0.0)
-                                for c in (("sparse_attention", "indexer") if cls == "attention_and_indexer_kv"
-                                          else (cls,)))
-                    row.setdefault("roofline", {})[cls] = {
-                        "roofline_us": roof_us, "spent_us": spent,
-                        "pct_of_roofline": 100 * roof_us / spent if spent else None}
+            if bandwidth:  # Triton kernels are not in these rows (module docstring): see the graphs rows'
+                row["roofline"] = roofline_by_class(row["classes"], need, bandwidth)
             result["rows"][f"scoped-b{batch}"] = row
             for name, counter in names.items():
                 votes[name].update(counter)
@@ -268,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 need = class_bytes(engine.model, batch, prompt + args.steps)
                 row["roofline_ms"] = 1000 * sum(need.values()) / bandwidth
                 row["pct_of_roofline"] = 100 * row["roofline_ms"] / row["step_wall_ms"]
+                row["bytes"] = need
+                row["roofline"] = roofline_by_class(row["classes"], need, bandwidth)
                 result["rows"][f"graphs-b{batch}"] = row
                 print(f"graphs-b{batch}", json.dumps({k: v for k, v in row.items() if k not in ("kernels", "classes")}))
                 for c, v in row["classes"].items():
