@@ -25,15 +25,10 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
-from bench.serve import BenchConfig, build_prompts  # noqa: E402
+from bench.serve import BenchConfig, build_prompts, latency_stats  # noqa: E402
 from cluster.config import ClusterConfig, TransferConfig  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def replay(llm: Any, config: BenchConfig) -> dict[str, Any]:
@@ -80,9 +75,10 @@ def replay(llm: Any, config: BenchConfig) -> dict[str, Any]:
                     send()
                     live += 1
     wall = time.perf_counter() - start
-    ttft = [first[i] - sent[i] for i in first]
-    return {"ttft_p50_s": statistics.median(ttft), "ttft_p90_s": percentile(ttft, 0.9),
-            "itl_p50_s": statistics.median(gaps), "itl_p90_s": percentile(gaps, 0.9),
+    # percentiles as the served run's client computes them, so the two compare
+    ttft = latency_stats([first[i] - sent[i] for i in first])
+    itl = latency_stats(gaps)
+    return {"ttft_p50_s": ttft["p50"], "ttft_p90_s": ttft["p90"], "itl_p50_s": itl["p50"], "itl_p90_s": itl["p90"],
             "output_tokens": tokens, "wall_s": wall, "output_token_throughput_tps": tokens / wall,
             "completed": len(first)}
 

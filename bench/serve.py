@@ -207,7 +207,8 @@ async def _run(config: BenchConfig) -> tuple[list[RequestRecord], float]:
         return records, time.perf_counter() - t0
 
 
-def _stats(values: list[float]) -> dict[str, float | None]:
+def latency_stats(values: list[float]) -> dict[str, float | None]:
+    """Mean, p50 / p90 / p99 (numpy's linear interpolation) and max of a list of seconds."""
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
     arr = np.asarray(values, dtype=float)
@@ -238,10 +239,10 @@ def summarize(config: BenchConfig, records: list[RequestRecord], duration_s: flo
         "total_token_throughput_tps": (prompt_tokens + output_tokens) / duration,
         "goodput_rps": len(good) / duration, "goodput_fraction": len(good) / max(1, len(records)),
         "goodput_definition": f"TTFT <= {config.ttft_target_s} s and TPOT <= {config.itl_target_s} s",
-        "ttft_s": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "itl_s": _stats([gap for r in ok for gap in r.itl_s]),
-        "tpot_s": _stats([t for r in ok if (t := r.tpot_s) is not None]),
-        "e2e_s": _stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "ttft_s": latency_stats([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": latency_stats([gap for r in ok for gap in r.itl_s]),
+        "tpot_s": latency_stats([t for r in ok if (t := r.tpot_s) is not None]),
+        "e2e_s": latency_stats([r.e2e_s for r in ok if r.e2e_s is not None]),
         "requests": [{"start_s": round(r.start_s, 6), "ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "tpot_s": r.tpot_s,
                       "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens, "error": r.error,
                       "itl_s": [round(g, 6) for g in r.itl_s]} for r in records],
