@@ -27,11 +27,11 @@ from kernels.triton_deepseek_v4_common import (BATCH_ARGS, LOG2E, batch_tensors,
 from kernels.triton_support import INTERPRET, exact_dot, autotune_configs, check_last_dim_contiguous, num_sms
 
 _CONFIGS = [
-    triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_H": 16, "BLOCK_N": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_H": 32, "BLOCK_N": 32}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_H": 64, "BLOCK_N": 16}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_H": 16, "BLOCK_N": 32, "D_SPLIT": 1}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_H": 16, "BLOCK_N": 64, "D_SPLIT": 1}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_H": 16, "BLOCK_N": 32, "D_SPLIT": 1}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_H": 32, "BLOCK_N": 32, "D_SPLIT": 1}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_H": 64, "BLOCK_N": 16, "D_SPLIT": 1}, num_warps=8, num_stages=2),
 ]
 #: Each split takes at least this many entries (decode); at most this many splits.
 _MIN_SPLIT_ENTRIES = 64
@@ -46,9 +46,11 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 
 
 @triton.jit
-def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, qk_scale, UPCAST: tl.constexpr):
+def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, offs_dv, dv_mask, qk_scale,
+               D_SPLIT: tl.constexpr):
     """Fold one K = V tile (rows ``kv_ptrs [BLOCK_N]``, masked by ``n_mask``) into the running
-    softmax state of the program's heads."""
+    softmax state of the program's heads: scores over all of ``offs_d``, values (and ``acc``)
+    over the program's output columns ``offs_dv`` (all of them when ``D_SPLIT == 1``)."""
     kv = tl.load(kv_ptrs[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     kv = kv.to(q.dtype)  # [BLOCK_N, BLOCK_D]; the reference computes in q's dtype too
     qk = exact_dot(q, tl.trans(kv)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
@@ -58,12 +60,17 @@ def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, qk_scale, UPCA
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + exact_dot(p.to(kv.dtype), kv)
+    if D_SPLIT == 1:
+        v = kv
+    else:  # this program's slice of the value columns: the same rows again, from L1 / L2
+        v = tl.load(kv_ptrs[:, None] + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :],
+                    other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v)
     return acc, l_i, m_new
 
 
 @triton.autotune(
-    configs=autotune_configs(_CONFIGS, triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4,
+    configs=autotune_configs(_CONFIGS, triton.Config({"BLOCK_H": 16, "BLOCK_N": 16, "D_SPLIT": 1}, num_warps=4,
                                                      num_stages=1)),
     key=["num_heads", "HEAD_DIM", "WIN_PAGE", "COMP_PAGE", "HAS_COMP", "HAS_TOPK", "NUM_SPLITS", "token_bucket"],
     prune_configs_by={"early_config_prune": _prune}, cache_results=True,
@@ -77,14 +84,16 @@ def _sparse_attention_kernel(
     stride_kt, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WIN_PAGE: tl.constexpr, COMP_PAGE: tl.constexpr,
     HAS_COMP: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_SPLIT: tl.constexpr,
 ):
     # Programs of one token are adjacent, so its entries are read from L2 by all but the first.
     pid = tl.program_id(0)
-    per_token = tl.cdiv(num_heads, BLOCK_H) * NUM_SPLITS
+    per_token = tl.cdiv(num_heads, BLOCK_H) * NUM_SPLITS * D_SPLIT
     t = pid // per_token
-    head_block = (pid % per_token) // NUM_SPLITS
-    split = pid % NUM_SPLITS
+    rest = pid % per_token
+    head_block = rest // (NUM_SPLITS * D_SPLIT)
+    split = (rest // D_SPLIT) % NUM_SPLITS
+    d_part = rest % D_SPLIT  # which slice of the output columns this program accumulates
     seq = token_sequence(query_start_loc_ptr, t, num_seqs, log_b)
     pos = token_position(query_start_loc_ptr, seq_lens_ptr, t, seq)
     seq64, t64 = seq.to(tl.int64), t.to(tl.int64)
@@ -109,13 +118,16 @@ def _sparse_attention_kernel(
     h_mask = heads < num_heads
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    BLOCK_DV: tl.constexpr = BLOCK_D // D_SPLIT
+    offs_dv = d_part * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < HEAD_DIM
     q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
 
     win_table = win_tables_ptr + seq64 * stride_wtab
     win_end = tl.minimum(end, n_win)
@@ -125,7 +137,8 @@ def _sparse_attention_kernel(
         token = win_lo + offs
         page = tl.load(win_table + token // WIN_PAGE, mask=n_mask, other=0).to(tl.int64)
         rows = win_ptr + page * stride_wb + (token % WIN_PAGE).to(tl.int64) * stride_wt
-        acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, rows, n_mask, offs_d, d_mask, qk_scale, UPCAST)
+        acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, rows, n_mask, offs_d, d_mask, offs_dv, dv_mask, qk_scale,
+                                   D_SPLIT)
     if HAS_COMP:
         comp_table = comp_tables_ptr + seq64 * stride_ctab
         for n0 in range(tl.maximum(start, n_win), end, BLOCK_N):
@@ -137,23 +150,23 @@ def _sparse_attention_kernel(
                 n_mask &= entry >= 0
             page = tl.load(comp_table + entry // COMP_PAGE, mask=n_mask, other=0).to(tl.int64)
             rows = comp_ptr + page * stride_cb + (entry % COMP_PAGE).to(tl.int64) * stride_ce
-            acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, rows, n_mask, offs_d, d_mask, qk_scale,
-                                       UPCAST)
+            acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, rows, n_mask, offs_d, d_mask, offs_dv, dv_mask,
+                                       qk_scale, D_SPLIT)
 
     if NUM_SPLITS == 1:
         sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
         m_fin = tl.maximum(m_i, sink)
         keep = tl.exp2(m_i - m_fin)
         out = acc * (keep / (l_i * keep + tl.exp2(sink - m_fin)))[:, None]
-        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         row = (t64 * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
-                 mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_dv[None, :], acc / l_safe[:, None],
+                 mask=h_mask[:, None] & dv_mask[None, :])
         tl.store(part_lse_ptr + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)),
-                 mask=h_mask)
+                 mask=h_mask & (d_part == 0))
 
 
 @triton.jit
@@ -235,7 +248,7 @@ def sparse_attention_triton(q: torch.Tensor, window_cache: torch.Tensor, window_
     part_lse = torch.empty(part_shape if num_splits > 1 else (1,), dtype=torch.float32, device=q.device)
 
     def grid(meta: dict[str, int]) -> tuple[int]:
-        return (num_tokens * triton.cdiv(num_heads, meta["BLOCK_H"]) * num_splits,)
+        return (num_tokens * triton.cdiv(num_heads, meta["BLOCK_H"]) * num_splits * meta["D_SPLIT"],)
 
     _sparse_attention_kernel[grid](
         q, window_cache, window_tables, comp, comp_tables, topk, sinks, qsl, lens, out, part_out,

@@ -147,3 +147,26 @@ def test_v4_mtp_speedup_plot_marks_the_anchors(tmp_path) -> None:
     assert drawn["curves"][1]["mtp-sync-k3"] == [(1.0, 0.9)]
     with pytest.raises(ValueError, match="no mtp"):
         plot.plot({"rows": {"none-b1": {"step_ms": 1.0}}}, str(tmp_path / "none.png"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test (the GPU runs the real script)")
+def test_v4_prefill_profile_tiny_run(tmp_path) -> None:
+    """bench/v4_prefill_profile.py at toy widths through the Triton interpreter: every layer's
+    attention and MoE get a time and a kernel table; the sweeps time the kernel's own tile and a
+    candidate it lacks (the sparse attention's at the prefill's arguments, the fused MoE's w13 at
+    128-row expert blocks) and name the fastest."""
+    import bench.v4_prefill_profile as bench
+
+    out = tmp_path / "v4-prefill.json"
+    result = bench.main(["--tiny", "--out", str(out)])
+    assert json.loads(out.read_text())["tokens"] == result["tokens"] > 0
+    parts = result["parts"]
+    assert [(p["layer"], p["part"]) for p in parts] == [(i, part) for i in range(4) for part in ("attention", "moe")]
+    for p in parts:
+        assert p["ms"] > 0 and p["kernels"] and p["kernel_us_per_call"] > 0
+    assert set(result["sweeps"]) == {"attention_csa", "moe_w13_m128"}
+    for name, s in result["sweeps"].items():
+        assert "error" not in s, (name, s.get("error"))
+        timed = [c for c in s["configs"] if "ms" in c]
+        assert len(timed) == 2 and {c["in_list"] for c in timed} == {True, False}
+        assert s["best"] == timed[0] and s["autotuned_ms"] > 0 and s["speedup"] > 0

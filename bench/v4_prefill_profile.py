@@ -1,0 +1,290 @@
+"""Where a DeepSeek-V4 prefill's GPU time goes at V4-Flash width, and how the prefill kernels'
+tiles fare (issue 17's prefill row).
+
+Model and prompt as ``bench/deepseek_v4_layers.py``'s prefill: four layers (sliding, CSA, HCA, CSA),
+random weights, MXFP4 routed experts, one prompt of ``--tokens``. One forward captures each
+layer's attention and MoE inputs, and the arguments its sparse attention, indexer and fused MoE
+were called with. Then:
+
+  parts    each layer's attention and MoE called alone on its inputs (median ms, as the layers
+           bench times them), under ``torch.profiler``: GPU time per call by kernel name, and
+           by class (our Triton kernels by name, ``bench.v4_decode_profile.TRITON_KERNEL_CLASSES``;
+           cuBLAS / CUTLASS GEMMs ``gemm``; the rest ``other``).
+  sweep    the prefill's Triton kernels called alone on the captured arguments, one tile
+           config at a time (the kernel's own list, then candidates it lacks, ``in_list`` says
+           which): the first CSA layer's sparse attention and indexer scores, the first
+           sliding layer's attention, and the fused MoE (its ``w13`` and ``w2`` GEMMs in turn,
+           at the expert block of rows the kernel picks and at 128). A config that does not
+           fit the GPU is recorded with its error. The fastest config's median against the
+           autotuned kernel's (``speedup``).
+
+Medians of ``triton.testing.do_bench`` (L2 flushed); a wall clock on CPU, where ``--tiny`` runs
+toy widths through the Triton interpreter (set ``TRITON_INTERPRET=1``) as a plumbing check (two
+sweeps, two configs each).
+
+    python3 bench/v4_prefill_profile.py --out bench/results/v4-prefill-profile-h200-<date>.json
+    TRITON_INTERPRET=1 python3 bench/v4_prefill_profile.py --tiny --out /tmp/p.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import tests.conftest  # noqa: E402,F401  (the interpreter's scalar-index patch the kernel tests use)
+
+from bench.common import environment, write_result  # noqa: E402
+from bench.decode_profile import kernel_times  # noqa: E402
+from bench.deepseek_v4_layers import (FULL, LAYERS, TINY, Capture, blocks, build_model, make_context,  # noqa: E402
+                                      model_config, timer)
+from bench.v4_decode_profile import TRITON_KERNEL_CLASSES  # noqa: E402
+from cluster.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
+from cluster.models.deepseek_v4_config import CSA, SLIDING  # noqa: E402
+
+GEMM_MARKS = ("gemm", "cutlass", "nvjet", "xmma", "cublas")
+
+
+def kernel_class_of(name: str) -> str:
+    if name in TRITON_KERNEL_CLASSES:
+        return TRITON_KERNEL_CLASSES[name]
+    return "gemm" if any(m in name.lower() for m in GEMM_MARKS) else "other"
+
+
+# Candidate tiles: (config kwargs, num_warps, num_stages). The kernels' own lists are swept too.
+ATTENTION_CANDIDATES = [
+    ({"BLOCK_H": 64, "BLOCK_N": 32, "D_SPLIT": 1}, 8, 2),
+    ({"BLOCK_H": 32, "BLOCK_N": 64, "D_SPLIT": 1}, 8, 2),
+    ({"BLOCK_H": 64, "BLOCK_N": 16, "D_SPLIT": 2}, 8, 2),
+    ({"BLOCK_H": 64, "BLOCK_N": 32, "D_SPLIT": 2}, 8, 2),
+    ({"BLOCK_H": 64, "BLOCK_N": 32, "D_SPLIT": 2}, 4, 2),
+    ({"BLOCK_H": 64, "BLOCK_N": 64, "D_SPLIT": 2}, 8, 2),
+    ({"BLOCK_H": 64, "BLOCK_N": 32, "D_SPLIT": 2}, 8, 3),
+    ({"BLOCK_H": 32, "BLOCK_N": 32, "D_SPLIT": 2}, 4, 2),
+    ({"BLOCK_H": 32, "BLOCK_N": 64, "D_SPLIT": 2}, 4, 2),
+    ({"BLOCK_H": 64, "BLOCK_N": 32, "D_SPLIT": 4}, 4, 2),
+    ({"BLOCK_H": 64, "BLOCK_N": 64, "D_SPLIT": 4}, 4, 2),
+]
+INDEXER_CANDIDATES = [({"BLOCK_E": 128}, 4, 3), ({"BLOCK_E": 64}, 4, 4), ({"BLOCK_E": 128}, 8, 3),
+                      ({"BLOCK_E": 256}, 8, 2)]
+MOE_CANDIDATES = [({"BLOCK_N": 64, "BLOCK_K": 128}, 8, 3), ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
+                  ({"BLOCK_N": 128, "BLOCK_K": 64}, 4, 4), ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
+                  ({"BLOCK_N": 256, "BLOCK_K": 64}, 8, 3), ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 2),
+                  ({"BLOCK_N": 64, "BLOCK_K": 256}, 4, 2)]
+
+
+class Recorder:
+    """The arguments of the first call of a callable attribute, kept (tensors by reference)."""
+
+    def __init__(self, owner: Any, attr: str) -> None:
+        self.owner, self.attr, self.fn = owner, attr, getattr(owner, attr)
+        self.call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        setattr(owner, attr, self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.call is None:
+            self.call = (args, kwargs)
+        return self.fn(*args, **kwargs)
+
+    def remove(self) -> None:
+        setattr(self.owner, self.attr, self.fn)
+
+
+def _config(kwargs: dict[str, int], warps: int, stages: int) -> Any:
+    import triton
+    return triton.Config(dict(kwargs), num_warps=warps, num_stages=stages)
+
+
+def _describe(config: Any) -> dict[str, Any]:
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def sweep(kernel: Any, fn: Callable[[], Any], candidates: list[Any], bench: Callable[[Callable[[], Any]], float],
+          limit: int | None = None) -> dict[str, Any]:
+    """``fn`` (which launches the autotuned ``kernel``) timed with each config alone: the kernel's
+    list, then ``candidates`` it lacks; and as autotuned."""
+    own = list(kernel.configs)
+    keys = {str(_describe(c)) for c in own}
+    configs = own + [c for c in candidates if str(_describe(c)) not in keys]
+    if limit is not None:
+        configs = configs[:limit]
+    saved = (kernel.configs, kernel.cache)
+    rows = []
+    try:
+        for c in configs:
+            kernel.configs, kernel.cache = [c], {}
+            row: dict[str, Any] = {**_describe(c), "in_list": str(_describe(c)) in keys}
+            try:
+                row["ms"] = bench(fn)
+            except Exception as e:  # a tile over the GPU's shared memory or registers
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+    finally:
+        kernel.configs, kernel.cache = saved
+    tuned = bench(fn)
+    timed = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+    best = timed[0] if timed else None
+    return {"autotuned_ms": tuned, "autotuned_config": _describe(kernel.best_config) if getattr(
+        kernel, "best_config", None) else None, "best": best,
+            "speedup": tuned / best["ms"] if best else None, "configs": timed + [r for r in rows if "ms" not in r]}
+
+
+def profile_part(fn: Callable[[], Any], calls: int, on_gpu: bool) -> dict[str, Any]:
+    fn()
+    activities = [torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+    if on_gpu:
+        kernels = kernel_times(prof)
+    else:  # plumbing check: each op's own CPU time stands for its kernels
+        kernels = collections.defaultdict(lambda: [0.0, 0])
+        for ev in prof.events():
+            kernels[ev.name][0] += ev.self_cpu_time_total
+            kernels[ev.name][1] += 1
+    table = sorted(({"kernel": n, "class": kernel_class_of(n), "us_per_call": v[0] / calls,
+                     "launches_per_call": v[1] / calls} for n, v in kernels.items()), key=lambda r: -r["us_per_call"])
+    classes: dict[str, float] = collections.defaultdict(float)
+    for r in table:
+        classes[r["class"]] += r["us_per_call"]
+    return {"kernel_us_per_call": sum(r["us_per_call"] for r in table),
+            "launches_per_call": sum(r["launches_per_call"] for r in table),
+            "classes": dict(sorted(classes.items(), key=lambda kv: -kv[1])), "kernels": table[:25]}
+
+
+@torch.no_grad()
+def run(model: DeepseekV4ForCausalLM, tokens: int, block_size: int, device: torch.device, tiny: bool
+        ) -> dict[str, Any]:
+    from kernels import triton_deepseek_v4_attention as attention
+    from kernels import triton_deepseek_v4_indexer as indexer
+    from kernels import triton_moe
+
+    args = model.args
+    layers = blocks(model)
+    csa = next(i for i, t in enumerate(args.layer_types) if t == CSA)
+    sliding = next(i for i, t in enumerate(args.layer_types) if t == SLIDING)
+    recorders = {"attention_csa": Recorder(layers[csa].attn, "attention_kernel"),
+                 "attention_sliding": Recorder(layers[sliding].attn, "attention_kernel"),
+                 "indexer": Recorder(layers[csa].attn.indexer, "select_kernel"),
+                 "moe": Recorder(layers[csa].ffn, "moe_kernel")}
+    ctx = make_context(model.kv_cache_specs(block_size, "bfloat16"), [tokens], [tokens], device, model.dtype)
+    capture = Capture(model)
+    model(torch.randint(0, args.vocab_size, (tokens,), device=device), ctx)
+    capture.remove()
+    for r in recorders.values():
+        r.remove()
+    bench = timer(device)
+    on_gpu = device.type == "cuda"
+    out: dict[str, Any] = {"tokens": tokens, "parts": [], "sweeps": {}}
+    for i, layer in enumerate(layers):
+        for part, module in (("attention", layer.attn), ("moe", layer.ffn)):
+            fn = functools.partial(module, *capture.inputs[(i, "attn" if part == "attention" else "ffn")])
+            row = {"layer": i, "type": args.layer_types[i], "part": part, "ms": bench(fn)}
+            row.update(profile_part(fn, 3, on_gpu))
+            out["parts"].append(row)
+            print(f"[parts] layer {i} {part}: {row['ms']:.3f} ms", file=sys.stderr, flush=True)
+
+    limit = 2 if tiny else None
+    cands = {name: [_config(*c) for c in lst] for name, lst in (
+        ("attention", ATTENTION_CANDIDATES), ("indexer", INDEXER_CANDIDATES), ("moe", MOE_CANDIDATES))}
+
+    def call(name: str, kernel_fn: Callable[..., Any]) -> Callable[[], Any]:
+        call = recorders[name].call
+        assert call is not None, f"{name} was not called"
+        return functools.partial(kernel_fn, *call[0], **call[1])
+
+    jobs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("attention_csa", lambda: sweep(attention._sparse_attention_kernel,
+                                        call("attention_csa", attention.sparse_attention_triton),
+                                        cands["attention"], bench, limit)),
+        ("attention_sliding", lambda: sweep(attention._sparse_attention_kernel,
+                                            call("attention_sliding", attention.sparse_attention_triton),
+                                            cands["attention"], bench, limit)),
+        ("indexer_scores", lambda: sweep(indexer._indexer_scores_kernel,
+                                         call("indexer", indexer.indexer_topk_triton), cands["indexer"], bench,
+                                         limit)),
+    ]
+    default_block_m = triton_moe._block_m
+    for block_m in (None, 128):
+        def moe_fn(block_m: int | None = block_m) -> Callable[[], Any]:
+            fused = call("moe", triton_moe.fused_moe_triton)
+
+            def fn() -> Any:
+                triton_moe._block_m = default_block_m if block_m is None else (lambda p, e: block_m)
+                try:
+                    return fused()
+                finally:
+                    triton_moe._block_m = default_block_m
+            return fn
+        tag = "default" if block_m is None else f"m{block_m}"
+        jobs.append((f"moe_w13_{tag}", lambda f=moe_fn: sweep(triton_moe._w13_swiglu_kernel, f(), cands["moe"],
+                                                                bench, limit)))
+        jobs.append((f"moe_w2_{tag}", lambda f=moe_fn: sweep(triton_moe._w2_kernel, f(), cands["moe"], bench,
+                                                               limit)))
+    if tiny:  # plumbing check: one sweep of each kind of kernel, two configs each
+        jobs = [job for job in jobs if job[0] in ("attention_csa", "moe_w13_m128")]
+    pairs = tokens * args.num_experts_per_tok
+    out["moe_block_m_default"] = default_block_m(pairs, args.n_routed_experts)
+    for name, job in jobs:
+        start = time.time()
+        try:
+            out["sweeps"][name] = job()
+        except Exception as e:
+            out["sweeps"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+        out["sweeps"][name]["seconds"] = round(time.time() - start, 1)
+        best = out["sweeps"][name].get("best")
+        print(f"[sweep] {name}: autotuned {out['sweeps'][name].get('autotuned_ms')} best {best}",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def summary(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for r in result.get("parts", []):
+        top = ", ".join(f"{c} {us / 1000:.2f}" for c, us in list(r["classes"].items())[:5])
+        lines.append(f"layer {r['layer']} {r['type']:<28} {r['part']:<9} {r['ms']:8.3f} ms  [{top}]")
+    for name, s in result.get("sweeps", {}).items():
+        if "error" in s:
+            lines.append(f"{name}: ERROR {s['error'][:120]}")
+        else:
+            lines.append(f"{name}: autotuned {s['autotuned_ms']:.3f} ms, best {s['best']}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="JSON file to write")
+    parser.add_argument("--tokens", type=int, default=None, help="prompt tokens (default: the layers bench's)")
+    parser.add_argument("--tiny", action="store_true", help="toy widths (CPU, under TRITON_INTERPRET=1)")
+    opts = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not opts.tiny:
+        parser.error("full V4-Flash widths need a CUDA GPU; use --tiny on CPU")
+    shape = TINY if opts.tiny else FULL
+    tokens = opts.tokens or shape.prefill
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = model_config(opts.tiny)
+    result: dict[str, Any] = {"env": environment(), "config": {"layers": LAYERS, "tokens": tokens,
+                                                               "experts": "mxfp4", **config}}
+    model = build_model(config, device, dtype)
+    result["kernels"] = list(model.ops.table)
+    result.update(run(model, tokens, shape.block_size, device, opts.tiny))
+    print("\n".join(summary(result)))
+    if opts.out:
+        write_result(opts.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
