@@ -109,12 +109,12 @@ def _describe(config: Any) -> dict[str, Any]:
 
 
 def sweep(kernel: Any, fn: Callable[[], Any], candidates: list[Any], bench: Callable[[Callable[[], Any]], float],
-          limit: int | None = None) -> dict[str, Any]:
+          limit: int | None = None, min_warps: int = 1) -> dict[str, Any]:
     """``fn`` (which launches the autotuned ``kernel``) timed with each config alone: the kernel's
-    list, then ``candidates`` it lacks; and as autotuned."""
+    list, then ``candidates`` it lacks (those of at least ``min_warps``); and as autotuned."""
     own = list(kernel.configs)
     keys = {str(_describe(c)) for c in own}
-    configs = own + [c for c in candidates if str(_describe(c)) not in keys]
+    configs = [c for c in own + [c for c in candidates if str(_describe(c)) not in keys] if c.num_warps >= min_warps]
     if limit is not None:
         configs = configs[:limit]
     saved = (kernel.configs, kernel.cache)
@@ -164,8 +164,9 @@ def profile_part(fn: Callable[[], Any], calls: int, on_gpu: bool) -> dict[str, A
 
 
 @torch.no_grad()
-def run(model: DeepseekV4ForCausalLM, tokens: int, block_size: int, device: torch.device, tiny: bool
-        ) -> dict[str, Any]:
+def run(model: DeepseekV4ForCausalLM, tokens: int, block_size: int, device: torch.device, tiny: bool,
+        checkpoint: Callable[[dict[str, Any]], None] = lambda out: None) -> dict[str, Any]:
+    """The parts and the sweeps; ``checkpoint(partial result)`` after each section."""
     from kernels import triton_deepseek_v4_attention as attention
     from kernels import triton_deepseek_v4_indexer as indexer
     from kernels import triton_moe
@@ -194,6 +195,7 @@ def run(model: DeepseekV4ForCausalLM, tokens: int, block_size: int, device: torc
             row.update(profile_part(fn, 3, on_gpu))
             out["parts"].append(row)
             print(f"[parts] layer {i} {part}: {row['ms']:.3f} ms", file=sys.stderr, flush=True)
+    checkpoint(out)
 
     limit = 2 if tiny else None
     cands = {name: [_config(*c) for c in lst] for name, lst in (
@@ -228,10 +230,12 @@ def run(model: DeepseekV4ForCausalLM, tokens: int, block_size: int, device: torc
                     triton_moe._block_m = default_block_m
             return fn
         tag = "default" if block_m is None else f"m{block_m}"
-        jobs.append((f"moe_w13_{tag}", lambda f=moe_fn: sweep(triton_moe._w13_swiglu_kernel, f(), cands["moe"],
-                                                                bench, limit)))
-        jobs.append((f"moe_w2_{tag}", lambda f=moe_fn: sweep(triton_moe._w2_kernel, f(), cands["moe"], bench,
-                                                               limit)))
+        # 128-row blocks: the four- and eight-warp tiles only (two warps hold too few of its rows)
+        warps = 1 if block_m is None else 4
+        jobs.append((f"moe_w13_{tag}", lambda f=moe_fn, w=warps: sweep(
+            triton_moe._w13_swiglu_kernel, f(), cands["moe"], bench, limit, w)))
+        jobs.append((f"moe_w2_{tag}", lambda f=moe_fn, w=warps: sweep(triton_moe._w2_kernel, f(), cands["moe"],
+                                                                        bench, limit, w)))
     if tiny:  # plumbing check: one sweep of each kind of kernel, two configs each
         jobs = [job for job in jobs if job[0] in ("attention_csa", "moe_w13_m128")]
     pairs = tokens * args.num_experts_per_tok
@@ -246,6 +250,7 @@ def run(model: DeepseekV4ForCausalLM, tokens: int, block_size: int, device: torc
         best = out["sweeps"][name].get("best")
         print(f"[sweep] {name}: autotuned {out['sweeps'][name].get('autotuned_ms')} best {best}",
               file=sys.stderr, flush=True)
+        checkpoint(out)
     return out
 
 
@@ -279,7 +284,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                "experts": "mxfp4", **config}}
     model = build_model(config, device, dtype)
     result["kernels"] = list(model.ops.table)
-    result.update(run(model, tokens, shape.block_size, device, opts.tiny))
+
+    def checkpoint(partial: dict[str, Any]) -> None:  # what a killed run leaves is still a result
+        if opts.out:
+            write_result(opts.out, {**result, **partial, "complete": False})
+
+    result.update(run(model, tokens, shape.block_size, device, opts.tiny, checkpoint))
+    result["complete"] = True
     print("\n".join(summary(result)))
     if opts.out:
         write_result(opts.out, result)
