@@ -6,7 +6,7 @@ random weights, MXFP4 routed experts, one prompt of ``--tokens``. One forward ca
 layer's attention and MoE inputs, and the arguments its sparse attention, indexer and fused MoE
 were called with. Then:
 
-  parts    each layer's attention and MoE called alone on its inputs (median ms, as the layers
+  parts    each layer, its attention and its MoE called alone on its inputs (median ms, as the layers
            bench times them), under ``torch.profiler``: GPU time per call by kernel name, and
            by class (our Triton kernels by name, ``bench.v4_decode_profile.TRITON_KERNEL_CLASSES``;
            cuBLAS / CUTLASS GEMMs ``gemm``; the rest ``other``).
@@ -165,7 +165,7 @@ def profile_part(fn: Callable[[], Any], calls: int, on_gpu: bool) -> dict[str, A
 
 @torch.no_grad()
 def run(model: DeepseekV4ForCausalLM, tokens: int, block_size: int, device: torch.device, tiny: bool,
-        checkpoint: Callable[[dict[str, Any]], None] = lambda out: None) -> dict[str, Any]:
+        checkpoint: Callable[[dict[str, Any]], None] = lambda out: None, sweeps: bool = True) -> dict[str, Any]:
     """The parts and the sweeps; ``checkpoint(partial result)`` after each section."""
     from kernels import triton_deepseek_v4_attention as attention
     from kernels import triton_deepseek_v4_indexer as indexer
@@ -189,14 +189,16 @@ def run(model: DeepseekV4ForCausalLM, tokens: int, block_size: int, device: torc
     on_gpu = device.type == "cuda"
     out: dict[str, Any] = {"tokens": tokens, "parts": [], "sweeps": {}}
     for i, layer in enumerate(layers):
-        for part, module in (("attention", layer.attn), ("moe", layer.ffn)):
-            fn = functools.partial(module, *capture.inputs[(i, "attn" if part == "attention" else "ffn")])
+        for part, module in (("layer", layer), ("attention", layer.attn), ("moe", layer.ffn)):
+            fn = functools.partial(module, *capture.inputs[(i, {"layer": "layer", "attention": "attn"}.get(part, "ffn"))])
             row = {"layer": i, "type": args.layer_types[i], "part": part, "ms": bench(fn)}
             row.update(profile_part(fn, 3, on_gpu))
             out["parts"].append(row)
             print(f"[parts] layer {i} {part}: {row['ms']:.3f} ms", file=sys.stderr, flush=True)
     checkpoint(out)
 
+    if not sweeps:
+        return out
     limit = 2 if tiny else None
     cands = {name: [_config(*c) for c in lst] for name, lst in (
         ("attention", ATTENTION_CANDIDATES), ("indexer", INDEXER_CANDIDATES), ("moe", MOE_CANDIDATES))}
@@ -272,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", help="JSON file to write")
     parser.add_argument("--tokens", type=int, default=None, help="prompt tokens (default: the layers bench's)")
     parser.add_argument("--tiny", action="store_true", help="toy widths (CPU, under TRITON_INTERPRET=1)")
+    parser.add_argument("--no-sweeps", action="store_true", help="the parts' profiles only")
     opts = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not opts.tiny:
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if opts.out:
             write_result(opts.out, {**result, **partial, "complete": False})
 
-    result.update(run(model, tokens, shape.block_size, device, opts.tiny, checkpoint))
+    result.update(run(model, tokens, shape.block_size, device, opts.tiny, checkpoint, not opts.no_sweeps))
     result["complete"] = True
     print("\n".join(summary(result)))
     if opts.out:

@@ -161,7 +161,7 @@ def test_v4_prefill_profile_tiny_run(tmp_path) -> None:
     result = bench.main(["--tiny", "--out", str(out)])
     assert json.loads(out.read_text())["tokens"] == result["tokens"] > 0
     parts = result["parts"]
-    assert [(p["layer"], p["part"]) for p in parts] == [(i, part) for i in range(4) for part in ("attention", "moe")]
+    assert [(p["layer"], p["part"]) for p in parts] == [(i, part) for i in range(4) for part in ("layer", "attention", "moe")]
     for p in parts:
         assert p["ms"] > 0 and p["kernels"] and p["kernel_us_per_call"] > 0
     assert set(result["sweeps"]) == {"attention_csa", "moe_w13_m128"}
