@@ -62,17 +62,11 @@ def kernel_class_of(name: str) -> str:
 
 # Candidate tiles: (config kwargs, num_warps, num_stages). The kernels' own lists are swept too.
 ATTENTION_CANDIDATES = [
-    ({"BLOCK_H": 64, "BLOCK_N": 32, "D_SPLIT": 1}, 8, 2),
-    ({"BLOCK_H": 32, "BLOCK_N": 64, "D_SPLIT": 1}, 8, 2),
-    ({"BLOCK_H": 64, "BLOCK_N": 16, "D_SPLIT": 2}, 8, 2),
-    ({"BLOCK_H": 64, "BLOCK_N": 32, "D_SPLIT": 2}, 8, 2),
-    ({"BLOCK_H": 64, "BLOCK_N": 32, "D_SPLIT": 2}, 4, 2),
-    ({"BLOCK_H": 64, "BLOCK_N": 64, "D_SPLIT": 2}, 8, 2),
-    ({"BLOCK_H": 64, "BLOCK_N": 32, "D_SPLIT": 2}, 8, 3),
-    ({"BLOCK_H": 32, "BLOCK_N": 32, "D_SPLIT": 2}, 4, 2),
-    ({"BLOCK_H": 32, "BLOCK_N": 64, "D_SPLIT": 2}, 4, 2),
-    ({"BLOCK_H": 64, "BLOCK_N": 32, "D_SPLIT": 4}, 4, 2),
-    ({"BLOCK_H": 64, "BLOCK_N": 64, "D_SPLIT": 4}, 4, 2),
+    ({"BLOCK_H": 64, "BLOCK_N": 32}, 8, 3),
+    ({"BLOCK_H": 64, "BLOCK_N": 64}, 8, 2),
+    ({"BLOCK_H": 64, "BLOCK_N": 32}, 4, 2),
+    ({"BLOCK_H": 32, "BLOCK_N": 64}, 4, 2),
+    ({"BLOCK_H": 64, "BLOCK_N": 32}, 8, 1),
 ]
 INDEXER_CANDIDATES = [({"BLOCK_E": 128}, 4, 3), ({"BLOCK_E": 64}, 4, 4), ({"BLOCK_E": 128}, 8, 3),
                       ({"BLOCK_E": 256}, 8, 2)]

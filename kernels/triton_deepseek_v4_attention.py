@@ -10,12 +10,14 @@ its window positions ``(p - window, p]`` (from ``min_position`` on) first (paged
 batches split that list across programs (split-KV) and a second kernel merges the partial results
 (base-2 log-sum-exp) and adds the sink; with one split the first kernel finishes alone. Prefill and
 mixed batches run the same kernel: the grid is flat over tokens, so it does not depend on the
-batch's sequence lengths. Paged offsets are int64. Tiles (at most ``32 x 512`` queries and
-``64 x 512`` entries in bf16) fit the 99 KB of shared memory of sm_120.
+batch's sequence lengths. Paged offsets are int64. A tile's query block and its staged K = V
+tiles must fit the device's shared memory: the autotuner never tries those that do not (on sm_120,
+99 KB: at most ``64 x 512`` queries and two stages of ``16 x 512`` entries in bf16).
 """
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import triton
@@ -24,33 +26,52 @@ import triton.language as tl
 from kernels.triton_deepseek_v4_common import (BATCH_ARGS, LOG2E, batch_tensors, log_steps, next_power_of_2,
                                                token_bucket,
                                                token_position, token_sequence)
-from kernels.triton_support import INTERPRET, exact_dot, autotune_configs, check_last_dim_contiguous, num_sms
+from kernels.triton_support import (INTERPRET, autotune_configs, check_last_dim_contiguous, exact_dot, num_sms,
+                                   shared_memory_per_block, staged_tile_bytes)
 
 _CONFIGS = [
-    triton.Config({"BLOCK_H": 16, "BLOCK_N": 32, "D_SPLIT": 1}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_H": 16, "BLOCK_N": 64, "D_SPLIT": 1}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_H": 16, "BLOCK_N": 32, "D_SPLIT": 1}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_H": 32, "BLOCK_N": 32, "D_SPLIT": 1}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_H": 64, "BLOCK_N": 16, "D_SPLIT": 1}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_H": 16, "BLOCK_N": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_H": 32, "BLOCK_N": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_H": 64, "BLOCK_N": 16}, num_warps=8, num_stages=2),
+    # Prefill tiles (all 64 heads of a token, 32-64 entries a step): 26% / 22% faster than the
+    # tiles above on an 8k V4-Flash prompt's CSA / sliding layer on the H200
+    # (bench/results/v4-prefill-profile-h200-2026-12-06.json). Over sm_120's 99 KB: pruned there.
+    triton.Config({"BLOCK_H": 64, "BLOCK_N": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_H": 32, "BLOCK_N": 64}, num_warps=8, num_stages=2),
 ]
+#: Shared memory a tile uses beyond its query and K = V tiles (compiled for sm_90 / sm_120: 1-4 KB).
+_SHARED_SLACK = 4096
 #: Each split takes at least this many entries (decode); at most this many splits.
 _MIN_SPLIT_ENTRIES = 64
 _MAX_SPLITS = 16
 
 
+def shared_memory_estimate(config: triton.Config, block_d: int, element_bytes: int) -> int:
+    """Shared memory of a config: the query tile, the staged K = V tiles and some slack (the
+    compiled sm_90 / sm_120 kernels of the listed configs use 49-100 KB, within 4 KB of this)."""
+    h, n = config.kwargs["BLOCK_H"], config.kwargs["BLOCK_N"]
+    return element_bytes * block_d * h + staged_tile_bytes(config, element_bytes * block_d * n) + _SHARED_SLACK
+
+
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """Head blocks no wider than needed: for few heads, the smallest ``BLOCK_H`` only."""
+    """Head blocks no wider than needed: for few heads, the smallest ``BLOCK_H`` only. Configs
+    over the device's shared memory per block (99 KB on sm_120) are never tried."""
     heads = int(named_args.get("num_heads", 64))
-    kept = [c for c in configs if c.kwargs["BLOCK_H"] <= max(16, next_power_of_2(heads))]
+    q = named_args.get("q_ptr")
+    element_bytes = q.element_size() if isinstance(q, torch.Tensor) else 2
+    block_d = int(cast(int, kwargs.get("BLOCK_D", 512)))
+    limit = shared_memory_per_block()
+    kept = [c for c in configs if c.kwargs["BLOCK_H"] <= max(16, next_power_of_2(heads))
+            and shared_memory_estimate(c, block_d, element_bytes) <= limit]
     return kept or configs[:1]
 
 
 @triton.jit
-def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, offs_dv, dv_mask, qk_scale,
-               D_SPLIT: tl.constexpr):
+def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, qk_scale, UPCAST: tl.constexpr):
     """Fold one K = V tile (rows ``kv_ptrs [BLOCK_N]``, masked by ``n_mask``) into the running
-    softmax state of the program's heads: scores over all of ``offs_d``, values (and ``acc``)
-    over the program's output columns ``offs_dv`` (all of them when ``D_SPLIT == 1``)."""
+    softmax state of the program's heads."""
     kv = tl.load(kv_ptrs[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     kv = kv.to(q.dtype)  # [BLOCK_N, BLOCK_D]; the reference computes in q's dtype too
     qk = exact_dot(q, tl.trans(kv)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
@@ -60,17 +81,12 @@ def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, offs_dv, dv_ma
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if D_SPLIT == 1:
-        v = kv
-    else:  # this program's slice of the value columns: the same rows again, from L1 / L2
-        v = tl.load(kv_ptrs[:, None] + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :],
-                    other=0.0).to(q.dtype)
-    acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + exact_dot(p.to(kv.dtype), kv)
     return acc, l_i, m_new
 
 
 @triton.autotune(
-    configs=autotune_configs(_CONFIGS, triton.Config({"BLOCK_H": 16, "BLOCK_N": 16, "D_SPLIT": 1}, num_warps=4,
+    configs=autotune_configs(_CONFIGS, triton.Config({"BLOCK_H": 16, "BLOCK_N": 16}, num_warps=4,
                                                      num_stages=1)),
     key=["num_heads", "HEAD_DIM", "WIN_PAGE", "COMP_PAGE", "HAS_COMP", "HAS_TOPK", "NUM_SPLITS", "token_bucket"],
     prune_configs_by={"early_config_prune": _prune}, cache_results=True,
@@ -84,16 +100,14 @@ def _sparse_attention_kernel(
     stride_kt, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WIN_PAGE: tl.constexpr, COMP_PAGE: tl.constexpr,
     HAS_COMP: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Programs of one token are adjacent, so its entries are read from L2 by all but the first.
     pid = tl.program_id(0)
-    per_token = tl.cdiv(num_heads, BLOCK_H) * NUM_SPLITS * D_SPLIT
+    per_token = tl.cdiv(num_heads, BLOCK_H) * NUM_SPLITS
     t = pid // per_token
-    rest = pid % per_token
-    head_block = rest // (NUM_SPLITS * D_SPLIT)
-    split = (rest // D_SPLIT) % NUM_SPLITS
-    d_part = rest % D_SPLIT  # which slice of the output columns this program accumulates
+    head_block = (pid % per_token) // NUM_SPLITS
+    split = pid % NUM_SPLITS
     seq = token_sequence(query_start_loc_ptr, t, num_seqs, log_b)
     pos = token_position(query_start_loc_ptr, seq_lens_ptr, t, seq)
     seq64, t64 = seq.to(tl.int64), t.to(tl.int64)
@@ -118,16 +132,13 @@ def _sparse_attention_kernel(
     h_mask = heads < num_heads
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    BLOCK_DV: tl.constexpr = BLOCK_D // D_SPLIT
-    offs_dv = d_part * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    dv_mask = offs_dv < HEAD_DIM
     q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
 
     win_table = win_tables_ptr + seq64 * stride_wtab
     win_end = tl.minimum(end, n_win)
@@ -137,8 +148,7 @@ def _sparse_attention_kernel(
         token = win_lo + offs
         page = tl.load(win_table + token // WIN_PAGE, mask=n_mask, other=0).to(tl.int64)
         rows = win_ptr + page * stride_wb + (token % WIN_PAGE).to(tl.int64) * stride_wt
-        acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, rows, n_mask, offs_d, d_mask, offs_dv, dv_mask, qk_scale,
-                                   D_SPLIT)
+        acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, rows, n_mask, offs_d, d_mask, qk_scale, UPCAST)
     if HAS_COMP:
         comp_table = comp_tables_ptr + seq64 * stride_ctab
         for n0 in range(tl.maximum(start, n_win), end, BLOCK_N):
@@ -150,23 +160,23 @@ def _sparse_attention_kernel(
                 n_mask &= entry >= 0
             page = tl.load(comp_table + entry // COMP_PAGE, mask=n_mask, other=0).to(tl.int64)
             rows = comp_ptr + page * stride_cb + (entry % COMP_PAGE).to(tl.int64) * stride_ce
-            acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, rows, n_mask, offs_d, d_mask, offs_dv, dv_mask,
-                                       qk_scale, D_SPLIT)
+            acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, rows, n_mask, offs_d, d_mask, qk_scale,
+                                       UPCAST)
 
     if NUM_SPLITS == 1:
         sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
         m_fin = tl.maximum(m_i, sink)
         keep = tl.exp2(m_i - m_fin)
         out = acc * (keep / (l_i * keep + tl.exp2(sink - m_fin)))[:, None]
-        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
+        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         row = (t64 * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_dv[None, :], acc / l_safe[:, None],
-                 mask=h_mask[:, None] & dv_mask[None, :])
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+                 mask=h_mask[:, None] & d_mask[None, :])
         tl.store(part_lse_ptr + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)),
-                 mask=h_mask & (d_part == 0))
+                 mask=h_mask)
 
 
 @triton.jit
@@ -248,7 +258,7 @@ def sparse_attention_triton(q: torch.Tensor, window_cache: torch.Tensor, window_
     part_lse = torch.empty(part_shape if num_splits > 1 else (1,), dtype=torch.float32, device=q.device)
 
     def grid(meta: dict[str, int]) -> tuple[int]:
-        return (num_tokens * triton.cdiv(num_heads, meta["BLOCK_H"]) * num_splits * meta["D_SPLIT"],)
+        return (num_tokens * triton.cdiv(num_heads, meta["BLOCK_H"]) * num_splits,)
 
     _sparse_attention_kernel[grid](
         q, window_cache, window_tables, comp, comp_tables, topk, sinks, qsl, lens, out, part_out,

@@ -142,9 +142,9 @@ def _moe_cases(triton_moe: Any) -> Iterator[tuple[str, Any, tuple[Any, ...], dic
 @contextlib.contextmanager
 def _device_shared_memory(arch: tuple[int, int]) -> Iterator[None]:
     """Kernel modules that prune configs by the device's shared memory see ``arch``'s."""
-    from kernels import triton_linear, triton_moe
+    from kernels import triton_deepseek_v4_attention, triton_linear, triton_moe
     limit = SM120_SHARED_LIMIT if arch == (12, 0) else 227 * 1024
-    saved = [(m, m.shared_memory_per_block) for m in (triton_linear, triton_moe)]
+    saved = [(m, m.shared_memory_per_block) for m in (triton_linear, triton_moe, triton_deepseek_v4_attention)]
     for module, _ in saved:
         module.shared_memory_per_block = lambda: limit  # type: ignore[attr-defined]
     try:

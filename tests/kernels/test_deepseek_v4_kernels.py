@@ -162,26 +162,6 @@ def test_sparse_attention_tiles_of_skipped_picks(num_splits: int) -> None:
     _check(out, ref, _tol(torch.float32))
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("mode", ["sliding", "topk"])
-def test_sparse_attention_split_value_columns(num_splits: int, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``D_SPLIT = 2`` (a prefill tile): two programs per (token, head block, split), each scoring
-    over every column and accumulating half of the output's, give the reference's output, with
-    and without the decode splits' merge."""
-    import triton
-
-    from kernels import triton_deepseek_v4_attention as attention
-    kernel = attention._sparse_attention_kernel
-    monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_H": 16, "BLOCK_N": 16, "D_SPLIT": 2},
-                                                          num_warps=4, num_stages=1)])
-    monkeypatch.setattr(kernel, "cache", {})
-    batch = make_v4_batch(MIXED if num_splits == 1 else DECODE, heads=6, dim=64, window=7, ratio=4,
-                          entries_per_block=2, seed=6)
-    out, ref = _attention(batch, mode, window=7, ratio=4, sinks=torch.randn(6, device=DEVICE), topk=6,
-                          num_splits=num_splits)
-    _check(out, ref, _tol(torch.float32))
-
-
 def test_sparse_attention_window_one_and_dominant_sinks() -> None:
     """Window 1 (a query sees only itself), more picks than visible entries, sinks that take most
     of the probability."""
