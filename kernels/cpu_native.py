@@ -460,15 +460,13 @@ def _mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     starts = meta.query_start_loc_cpu
     single = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
     out = q.new_empty(q.shape)
-    if not single:
-        attend_sequences(q, k_cache, v_cache, meta, scale, sliding_window, range(meta.num_seqs), out)
-        return out
-    rows = torch.tensor([starts[i] for i in single], dtype=torch.int64)
-    seqs = torch.tensor(single, dtype=torch.int64)
-    part = q.new_empty((len(single), *q.shape[1:]))
-    _decode_rows(q.index_select(0, rows), k_cache, v_cache, meta.block_tables.index_select(0, seqs),
-                 meta.seq_lens.index_select(0, seqs), scale, sliding_window, layout, part)
-    out.index_copy_(0, rows, part)
+    if single:
+        rows = torch.tensor([starts[i] for i in single], dtype=torch.int64)
+        seqs = torch.tensor(single, dtype=torch.int64)
+        part = q.new_empty((len(single), *q.shape[1:]))
+        _decode_rows(q.index_select(0, rows), k_cache, v_cache, meta.block_tables.index_select(0, seqs),
+                     meta.seq_lens.index_select(0, seqs), scale, sliding_window, layout, part)
+        out.index_copy_(0, rows, part)
     chosen = set(single)
     attend_sequences(q, k_cache, v_cache, meta, scale, sliding_window,
                      [i for i in range(meta.num_seqs) if i not in chosen], out)
