@@ -291,11 +291,11 @@ def _hc_inputs(t: int, n: int, h: int, dtype: torch.dtype, seed: int) -> tuple[t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,n,h", [(1, 4, 64), (5, 4, 96), (19, 2, 40), (2, 3, 300)])
+@pytest.mark.parametrize("t,n,h", [(1, 4, 64), (5, 4, 96), (19, 2, 40), (2, 3, 300), (3, 4, 1100)])
 def test_hyper_connections(t: int, n: int, h: int, dtype: torch.dtype) -> None:
     """hc_pre (split mixes, Sinkhorn in registers, collapse) and hc_post against the references:
     float32 to its rounding, bf16 to one ulp of the outputs; N not a power of two, H not a
-    multiple of the slice, scratch and outputs poisoned."""
+    multiple of the slice, H over several slices, scratch and outputs poisoned."""
     from kernels.deepseek_v4_ref import hc_post_ref, hc_pre_ref
     from kernels.triton_deepseek_v4_hc import hc_post_triton, hc_pre_triton
 
