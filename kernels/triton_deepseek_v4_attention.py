@@ -35,9 +35,12 @@ _CONFIGS = [
     triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_H": 32, "BLOCK_N": 32}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_H": 64, "BLOCK_N": 16}, num_warps=8, num_stages=2),
-    # Prefill tiles (all 64 heads of a token, 32-64 entries a step): 26% / 22% faster than the
-    # tiles above on an 8k V4-Flash prompt's CSA / sliding layer on the H200
-    # (bench/results/v4-prefill-profile-h200-2026-12-06.json). Over sm_120's 99 KB: pruned there.
+]
+#: Prefill tiles (all 64 heads of a token, 32-64 entries a step): 26% / 22% faster than the tiles
+#: above on an 8k V4-Flash prompt's CSA / sliding layer on the H200 when swept alone
+#: (bench/results/v4-prefill-profile-h200-2026-12-06.json), over sm_120's 99 KB (pruned there).
+#: Not in the list until the GPU gate has run with them (kernels/NOTES.md).
+PREFILL_CANDIDATES = [
     triton.Config({"BLOCK_H": 64, "BLOCK_N": 32}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_H": 32, "BLOCK_N": 64}, num_warps=8, num_stages=2),
 ]

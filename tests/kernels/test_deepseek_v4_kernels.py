@@ -192,6 +192,24 @@ def test_sparse_attention_v4_width() -> None:
     _check(out, ref, _tol(torch.float32))
 
 
+def test_sparse_attention_prunes_tiles_over_the_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The autotuner never tries a tile over the device's shared memory: on sm_120 (99 KB) the
+    listed tiles only, not the two-stage prefill tiles (64 heads x 32 entries, 32 x 64) that the
+    H200 runs; on sm_90 every one. float32 queries double the estimate: none fits sm_120, and the
+    first listed tile is left (a float32 model is a correctness path there, never a tuned one)."""
+    from kernels import triton_deepseek_v4_attention as attention
+    from tests.kernels.aot import SM120_SHARED_LIMIT
+
+    tiles = attention._CONFIGS + attention.PREFILL_CANDIDATES
+    q16, q32 = (torch.empty(1, 64, 512, dtype=d, device="meta") for d in (torch.bfloat16, torch.float32))
+    for limit, dtype_q, kept in ((SM120_SHARED_LIMIT, q16, attention._CONFIGS), (227 * 1024, q16, tiles)):
+        monkeypatch.setattr(attention, "shared_memory_per_block", lambda limit=limit: limit)
+        assert attention._prune(tiles, {"num_heads": 64, "q_ptr": dtype_q}, BLOCK_D=512) == kept
+    monkeypatch.setattr(attention, "shared_memory_per_block", lambda: SM120_SHARED_LIMIT)
+    assert attention._prune(tiles, {"num_heads": 64, "q_ptr": q32}, BLOCK_D=512) == tiles[:1]
+    assert attention.shared_memory_estimate(tiles[0], 512, 4) > SM120_SHARED_LIMIT
+
+
 def _check_topk(out: torch.Tensor, ref: torch.Tensor, batch: V4Batch, ratio: int, topk: int) -> None:
     """Each row: the right number of distinct visible picks and the same scores as the reference's
     picks (ties may pick other entries)."""
