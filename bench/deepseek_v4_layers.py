@@ -283,17 +283,22 @@ def summary(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def device_and_widths(parser: argparse.ArgumentParser, tiny: bool
+                      ) -> tuple[torch.device, Shape, torch.dtype, dict[str, Any]]:
+    """The GPU (the CPU for ``--tiny``), the scenarios' shape, the model's dtype and config."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not tiny:
+        parser.error("full V4-Flash widths need a CUDA GPU; use --tiny on CPU")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, TINY if tiny else FULL, dtype, model_config(tiny)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="JSON file to write (e.g. bench/results/deepseek_v4_layers-h200.json)")
     parser.add_argument("--tiny", action="store_true", help="toy widths (runs on CPU)")
     opts = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not opts.tiny:
-        parser.error("full V4-Flash widths need a CUDA GPU; use --tiny on CPU")
-    shape = TINY if opts.tiny else FULL
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = model_config(opts.tiny)
+    device, shape, dtype, config = device_and_widths(parser, opts.tiny)
     results: dict[str, Any] = {"env": environment(), "config": {"layers": LAYERS, **asdict(shape),
                                                                 "dtype": str(dtype), "experts": "mxfp4", **config}}
     run_section(results, "anchors", lambda: anchors(device, opts.tiny))

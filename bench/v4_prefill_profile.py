@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -45,8 +46,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from bench.common import environment, write_result  # noqa: E402
 from bench.decode_profile import kernel_times  # noqa: E402
-from bench.deepseek_v4_layers import (FULL, LAYERS, TINY, Capture, blocks, build_model, make_context,  # noqa: E402
-                                      model_config, timer)
+from bench.deepseek_v4_layers import (LAYERS, Capture, blocks, build_model, device_and_widths,  # noqa: E402
+                                      make_context, timer)
 from bench.v4_decode_profile import TRITON_KERNEL_CLASSES  # noqa: E402
 from cluster.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 from cluster.models.deepseek_v4_config import CSA, SLIDING  # noqa: E402
@@ -95,7 +96,6 @@ class Recorder:
 
 
 def _config(kwargs: dict[str, int], warps: int, stages: int) -> Any:
-    import triton
     return triton.Config(dict(kwargs), num_warps=warps, num_stages=stages)
 
 
@@ -148,8 +148,9 @@ def profile_part(fn: Callable[[], Any], calls: int, on_gpu: bool) -> dict[str, A
         for ev in prof.events():
             kernels[ev.name][0] += ev.self_cpu_time_total
             kernels[ev.name][1] += 1
-    table = sorted(({"kernel": n, "class": kernel_class_of(n), "us_per_call": v[0] / calls,
-                     "launches_per_call": v[1] / calls} for n, v in kernels.items()), key=lambda r: -r["us_per_call"])
+    table: list[dict[str, Any]] = sorted(
+        ({"kernel": n, "class": kernel_class_of(n), "us_per_call": v[0] / calls, "launches_per_call": v[1] / calls}
+         for n, v in kernels.items()), key=lambda r: -r["us_per_call"])
     classes: dict[str, float] = collections.defaultdict(float)
     for r in table:
         classes[r["class"]] += r["us_per_call"]
@@ -184,8 +185,9 @@ def run(model: DeepseekV4ForCausalLM, tokens: int, block_size: int, device: torc
     on_gpu = device.type == "cuda"
     out: dict[str, Any] = {"tokens": tokens, "parts": [], "sweeps": {}}
     for i, layer in enumerate(layers):
-        for part, module in (("layer", layer), ("attention", layer.attn), ("moe", layer.ffn)):
-            fn = functools.partial(module, *capture.inputs[(i, {"layer": "layer", "attention": "attn"}.get(part, "ffn"))])
+        for part, captured, module in (("layer", "layer", layer), ("attention", "attn", layer.attn),
+                                       ("moe", "ffn", layer.ffn)):
+            fn = functools.partial(module, *capture.inputs[(i, captured)])
             row = {"layer": i, "type": args.layer_types[i], "part": part, "ms": bench(fn)}
             row.update(profile_part(fn, 3, on_gpu))
             out["parts"].append(row)
@@ -215,24 +217,23 @@ def run(model: DeepseekV4ForCausalLM, tokens: int, block_size: int, device: torc
                                          limit)),
     ]
     default_block_m = triton_moe._block_m
-    for block_m in (None, 128):
-        def moe_fn(block_m: int | None = block_m) -> Callable[[], Any]:
-            fused = call("moe", triton_moe.fused_moe_triton)
+    fused = call("moe", triton_moe.fused_moe_triton)
 
-            def fn() -> Any:
-                triton_moe._block_m = default_block_m if block_m is None else (lambda p, e: block_m)
-                try:
-                    return fused()
-                finally:
-                    triton_moe._block_m = default_block_m
-            return fn
-        tag = "default" if block_m is None else f"m{block_m}"
-        # 128-row blocks: the four- and eight-warp tiles only (two warps hold too few of its rows)
-        warps = 1 if block_m is None else 4
-        jobs.append((f"moe_w13_{tag}", lambda f=moe_fn, w=warps: sweep(
-            triton_moe._w13_swiglu_kernel, f(), cands["moe"], bench, limit, w)))
-        jobs.append((f"moe_w2_{tag}", lambda f=moe_fn, w=warps: sweep(triton_moe._w2_kernel, f(), cands["moe"],
-                                                                        bench, limit, w)))
+    def fused_at(pick: Callable[[int, int], int]) -> Callable[[], Any]:
+        """The fused MoE call with its expert block of rows chosen by ``pick(pairs, experts)``."""
+        def fn() -> Any:
+            setattr(triton_moe, "_block_m", pick)
+            try:
+                return fused()
+            finally:
+                setattr(triton_moe, "_block_m", default_block_m)
+        return fn
+
+    # 128-row blocks: the four- and eight-warp tiles only (two warps hold too few of its rows)
+    for tag, pick, warps in (("default", default_block_m, 1), ("m128", lambda pairs, experts: 128, 4)):
+        for gemm, kernel in (("w13", triton_moe._w13_swiglu_kernel), ("w2", triton_moe._w2_kernel)):
+            jobs.append((f"moe_{gemm}_{tag}", functools.partial(sweep, kernel, fused_at(pick), cands["moe"], bench,
+                                                                limit, warps)))
     if tiny:  # plumbing check: one sweep of each kind of kernel, two configs each
         jobs = [job for job in jobs if job[0] in ("attention_csa", "moe_w13_m128")]
     pairs = tokens * args.num_experts_per_tok
@@ -271,13 +272,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tiny", action="store_true", help="toy widths (CPU, under TRITON_INTERPRET=1)")
     parser.add_argument("--no-sweeps", action="store_true", help="the parts' profiles only")
     opts = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not opts.tiny:
-        parser.error("full V4-Flash widths need a CUDA GPU; use --tiny on CPU")
-    shape = TINY if opts.tiny else FULL
+    device, shape, dtype, config = device_and_widths(parser, opts.tiny)
     tokens = opts.tokens or shape.prefill
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = model_config(opts.tiny)
     result: dict[str, Any] = {"env": environment(), "config": {"layers": LAYERS, "tokens": tokens,
                                                                "experts": "mxfp4", **config}}
     model = build_model(config, device, dtype)

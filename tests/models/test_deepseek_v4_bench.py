@@ -151,8 +151,8 @@ def test_v4_mtp_speedup_plot_marks_the_anchors(tmp_path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test (the GPU runs the real script)")
 def test_v4_prefill_profile_tiny_run(tmp_path) -> None:
-    """bench/v4_prefill_profile.py at toy widths through the Triton interpreter: every layer's
-    attention and MoE get a time and a kernel table; the sweeps time the kernel's own tile and a
+    """bench/v4_prefill_profile.py at toy widths through the Triton interpreter: every layer, its
+    attention and its MoE get a time and a kernel table; the sweeps time the kernel's own tile and a
     candidate it lacks (the sparse attention's at the prefill's arguments, the fused MoE's w13 at
     128-row expert blocks) and name the fastest."""
     import bench.v4_prefill_profile as bench
