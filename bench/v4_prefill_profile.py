@@ -51,7 +51,6 @@ from bench.deepseek_v4_layers import (LAYERS, Capture, blocks, build_model, devi
 from bench.v4_decode_profile import TRITON_KERNEL_CLASSES  # noqa: E402
 from cluster.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 from cluster.models.deepseek_v4_config import CSA, SLIDING  # noqa: E402
-from kernels import triton_deepseek_v4_attention as attention_kernels  # noqa: E402
 
 GEMM_MARKS = ("gemm", "cutlass", "nvjet", "xmma", "cublas")
 
@@ -63,7 +62,7 @@ def kernel_class_of(name: str) -> str:
 
 
 # Candidate tiles: (config kwargs, num_warps, num_stages). The kernels' own lists are swept too.
-ATTENTION_CANDIDATES = [(c.kwargs, c.num_warps, c.num_stages) for c in attention_kernels.PREFILL_CANDIDATES] + [
+ATTENTION_CANDIDATES = [
     ({"BLOCK_H": 64, "BLOCK_N": 32}, 8, 3),
     ({"BLOCK_H": 64, "BLOCK_N": 64}, 8, 2),
     ({"BLOCK_H": 64, "BLOCK_N": 32}, 4, 2),

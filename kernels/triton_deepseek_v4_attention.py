@@ -29,7 +29,8 @@ from kernels.triton_deepseek_v4_common import (BATCH_ARGS, LOG2E, batch_tensors,
 from kernels.triton_support import (INTERPRET, autotune_configs, check_last_dim_contiguous, exact_dot, num_sms,
                                    shared_memory_per_block, staged_tile_bytes)
 
-_CONFIGS = [
+#: Tiles that fit every supported GPU (sm_120 included).
+_PORTABLE_TILES = [
     triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_H": 16, "BLOCK_N": 64}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_H": 16, "BLOCK_N": 32}, num_warps=8, num_stages=3),
@@ -39,11 +40,11 @@ _CONFIGS = [
 #: Prefill tiles (all 64 heads of a token, 32-64 entries a step): 26% / 22% faster than the tiles
 #: above on an 8k V4-Flash prompt's CSA / sliding layer on the H200 when swept alone
 #: (bench/results/v4-prefill-profile-h200-2026-12-06.json), over sm_120's 99 KB (pruned there).
-#: Not in the list until the GPU gate has run with them (kernels/NOTES.md).
-PREFILL_CANDIDATES = [
+PREFILL_TILES = [
     triton.Config({"BLOCK_H": 64, "BLOCK_N": 32}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_H": 32, "BLOCK_N": 64}, num_warps=8, num_stages=2),
 ]
+_CONFIGS = _PORTABLE_TILES + PREFILL_TILES
 #: Shared memory a tile uses beyond its query and K = V tiles (compiled for sm_90 / sm_120: 1-4 KB).
 _SHARED_SLACK = 4096
 #: Each split takes at least this many entries (decode); at most this many splits.

@@ -64,8 +64,10 @@ def _hc_pre_finish_kernel(part_ptr, sq_ptr, x_ptr, base_ptr, scale_ptr, out_ptr,
                           K, H, SPLITS, stride_x, stride_xn, stride_o, eps, norm_eps, ITERS: tl.constexpr,
                           N: tl.constexpr, N_PAD: tl.constexpr, M_PAD: tl.constexpr, S_PAD: tl.constexpr,
                           BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
+    # the slices of one token are adjacent programs: its partial sums are read from HBM once
+    slices = tl.cdiv(H, BLOCK_H)
+    t = (tl.program_id(0) // slices).to(tl.int64)
+    hb = tl.program_id(0) % slices
     i = tl.arange(0, N_PAD)
     s = tl.arange(0, S_PAD)
     i_ok = i < N
@@ -74,11 +76,6 @@ def _hc_pre_finish_kernel(part_ptr, sq_ptr, x_ptr, base_ptr, scale_ptr, out_ptr,
     # the partial sums of this token, in a fixed order
     rows = (t * SPLITS + s) * M_PAD
     pre_w = tl.sum(tl.load(part_ptr + rows[:, None] + i[None, :], mask=s_ok[:, None] & i_ok[None, :], other=0.0), 0)
-    post_w = tl.sum(tl.load(part_ptr + rows[:, None] + N + i[None, :], mask=s_ok[:, None] & i_ok[None, :],
-                            other=0.0), 0)
-    nn = i[:, None] * N + i[None, :]
-    comb_w = tl.sum(tl.load(part_ptr + rows[:, None, None] + 2 * N + nn[None, :, :],
-                            mask=s_ok[:, None, None] & ok2[None, :, :], other=0.0), 0)
     sq = tl.sum(tl.load(sq_ptr + t * SPLITS + s, mask=s_ok, other=0.0), 0)
     r = tl.rsqrt(sq / K + norm_eps)
     pre_s = tl.load(scale_ptr)
@@ -86,7 +83,12 @@ def _hc_pre_finish_kernel(part_ptr, sq_ptr, x_ptr, base_ptr, scale_ptr, out_ptr,
     comb_s = tl.load(scale_ptr + 2)
     pre = tl.sigmoid(pre_w * r * pre_s + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + eps
     pre = tl.where(i_ok, pre, 0.0)
-    if hb == 0:
+    if hb == 0:  # post and comb: the first slice's program only
+        post_w = tl.sum(tl.load(part_ptr + rows[:, None] + N + i[None, :], mask=s_ok[:, None] & i_ok[None, :],
+                                other=0.0), 0)
+        nn = i[:, None] * N + i[None, :]
+        comb_w = tl.sum(tl.load(part_ptr + rows[:, None, None] + 2 * N + nn[None, :, :],
+                                mask=s_ok[:, None, None] & ok2[None, :, :], other=0.0), 0)
         post = 2.0 * tl.sigmoid(post_w * r * post_s + tl.load(base_ptr + N + i, mask=i_ok, other=0.0))
         logits = comb_w * r * comb_s + tl.load(base_ptr + 2 * N + nn, mask=ok2, other=0.0)
         logits = tl.where(ok2, logits, -1e30)
@@ -159,7 +161,7 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         x, fn, part, sq, t, k, x.stride(0), splits, M=m, M_PAD=m_pad, CHUNK_K=CHUNK, BLOCK_T=block_t,
         BLOCK_K=BLOCK_K, num_warps=4 if block_t == 16 else 8)
     block_h = min(512, triton.next_power_of_2(h))
-    _hc_pre_finish_kernel[(t, triton.cdiv(h, block_h))](
+    _hc_pre_finish_kernel[(t * triton.cdiv(h, block_h),)](
         part, sq, x, base, scale, out, post, comb, k, h, splits, x.stride(0), x.stride(1), out.stride(0),
         eps, norm_eps, ITERS=iters, N=n, N_PAD=max(2, triton.next_power_of_2(n)), M_PAD=m_pad,
         S_PAD=triton.next_power_of_2(splits), BLOCK_H=block_h, num_warps=1)  # one warp: the Sinkhorn

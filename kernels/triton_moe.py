@@ -45,8 +45,10 @@ def _gemm_configs() -> list[triton.Config]:
     # (wgmma: best for bf16 weights, straight from shared memory). One-warp tiles of 16-32 rows
     # (twice the programs at batch-1 decode) were tried and not chosen: no faster at batch 1-64
     # (moe-h200-2026-12-03.json, kernels/NOTES.md).
+    # (64, 64, 4, 4): the fastest w13 tile for an 8k-token prefill's 64-row expert blocks on the
+    # H200, 6% faster than the others here (bench/results/v4-prefill-profile-h200-2026-12-06.json).
     shapes = [(32, 128, 2, 4), (32, 256, 2, 3), (64, 128, 2, 4), (64, 256, 2, 3),
-              (64, 128, 4, 3), (128, 128, 4, 3), (128, 64, 8, 3)]
+              (64, 128, 4, 3), (128, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
             for n, k, w, s in shapes]
 

@@ -200,9 +200,10 @@ def test_sparse_attention_prunes_tiles_over_the_shared_memory(monkeypatch: pytes
     from kernels import triton_deepseek_v4_attention as attention
     from tests.kernels.aot import SM120_SHARED_LIMIT
 
-    tiles = attention._CONFIGS + attention.PREFILL_CANDIDATES
+    tiles = attention._CONFIGS
+    assert tiles == attention._PORTABLE_TILES + attention.PREFILL_TILES
     q16, q32 = (torch.empty(1, 64, 512, dtype=d, device="meta") for d in (torch.bfloat16, torch.float32))
-    for limit, dtype_q, kept in ((SM120_SHARED_LIMIT, q16, attention._CONFIGS), (227 * 1024, q16, tiles)):
+    for limit, dtype_q, kept in ((SM120_SHARED_LIMIT, q16, attention._PORTABLE_TILES), (227 * 1024, q16, tiles)):
         monkeypatch.setattr(attention, "shared_memory_per_block", lambda limit=limit: limit)
         assert attention._prune(tiles, {"num_heads": 64, "q_ptr": dtype_q}, BLOCK_D=512) == kept
     monkeypatch.setattr(attention, "shared_memory_per_block", lambda: SM120_SHARED_LIMIT)
