@@ -102,6 +102,11 @@ class Costs:
     #: that chunk's gap spans two steps. The benchmark's ITL is per text chunk; TPOT per token.
     #: 0: every token its own chunk.
     textless_token_share: float = 0.0
+    #: How a streamed gap of one step scatters about the step (the host's other work, the HTTP
+    #: stream): offsets in the ITL histogram's log bins (80 a decade) and their weights, median at
+    #: 0 (``gap_spread``). Empty: every gap exactly its steps.
+    gap_spread_bins: tuple[int, ...] = ()
+    gap_spread_weights: tuple[float, ...] = ()
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
@@ -238,6 +243,41 @@ class Replica:
     overhead_left: float = -1.0  # of the step's fixed overhead, once its tokens are done (-1: not yet)
 
 
+def gap_spread(gaps: np.ndarray) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """A measured stream's one-step gaps (0.5-1.6x the median gap: not merged, not two chunks
+    read together) as a kernel for ``Costs.gap_spread_bins`` / ``gap_spread_weights``: the
+    histogram of their log10 ratio to their median in the ITL histogram's bins (80 a decade)."""
+    gaps = np.asarray(gaps, dtype=float)
+    gaps = gaps[gaps > 0]
+    if not len(gaps):
+        return (), ()
+    ratio = gaps / np.median(gaps)
+    single = ratio[(ratio >= 0.5) & (ratio <= 1.6)]
+    single = single / np.median(single)
+    offsets = np.round(np.log10(single) * 80).astype(int)
+    bins, counts = np.unique(offsets, return_counts=True)
+    return tuple(int(b) for b in bins), tuple(float(c) / len(offsets) for c in counts)
+
+
+def spread_histogram(hist: np.ndarray, bins: tuple[int, ...], weights: tuple[float, ...]) -> np.ndarray:
+    """``hist`` with each bin's mass scattered over ``bins`` offsets by ``weights`` (clipped at
+    the ends)."""
+    if not bins:
+        return hist
+    out = np.zeros_like(hist)
+    idx = np.arange(len(hist))
+    for b, w in zip(bins, weights):
+        np.add.at(out, np.clip(idx + b, 0, len(hist) - 1), hist * w)
+    return out
+
+
+def gap_steps(output: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+    """Decode steps per streamed gap of each request: its ``output - 1`` steps after the first
+    token over its ``chunks - 1`` gaps (a request of one chunk: one gap of all its steps)."""
+    steps = np.maximum(np.asarray(output, dtype=float) - 1.0, 1.0)
+    return np.maximum(steps / np.maximum(np.asarray(chunks, dtype=float) - 1.0, 1.0), 1.0)
+
+
 class Simulation:
     def __init__(self, costs: Costs, requests: dict[str, np.ndarray], *, prefill: int, decode: int,
                  colocated: bool = False, planner: PlannerSettings | None = None, dt: float = 0.02,
@@ -313,6 +353,13 @@ class Simulation:
             self.replicas.append(Replica("prefill", 0.0))
         self.waiting: deque[int] = deque()
         self.itl_hist = np.zeros(400)  # ITL histogram, log bins from 0.1 ms to 10 s
+        #: Decode steps per streamed gap, per request, where the workload says how many text
+        #: chunks each request's stream carries (``requests["chunks"]``: a token whose text is
+        #: not yet whole, a byte of a multi-byte character, streams nothing and its step merges
+        #: into the next chunk's gap). Which tokens carry text is the output's, not the server's,
+        #: and it is bimodal: most requests stream a chunk a token, a few one every two or more.
+        #: None: every request streams as ``Costs.textless_token_share`` says.
+        self.gap_steps = gap_steps(requests["output"], requests["chunks"]) if "chunks" in requests else None
         # what the replicas report (cluster.decode.server: TTFT at each first token, ITL per step):
         # (t, ttft, prefill queue) per first token and (t, the worst replica's step) per tick
         self.recent: deque[tuple[float, float, float]] = deque()
@@ -530,11 +577,18 @@ class Simulation:
             steps = dt / step
             gain = steps[reps]
             self.generated[active] += gain
-            q = self.c.textless_token_share  # a text chunk per token, but for the textless ones,
-            # whose gaps merge with the next token's: of a token's (1 - q) chunks, q span two steps
-            np.add.at(self.itl_hist, self._itl_bin(step[reps]), gain * (1.0 - 2.0 * q))
-            if q > 0:
-                np.add.at(self.itl_hist, self._itl_bin(2.0 * step[reps]), gain * q)
+            if self.gap_steps is not None:  # a request's gaps span k steps: floor(k) or floor(k) + 1
+                k = self.gap_steps[active]
+                low = np.floor(k)
+                gaps = gain / k
+                np.add.at(self.itl_hist, self._itl_bin(low * step[reps]), gaps * (1.0 - (k - low)))
+                np.add.at(self.itl_hist, self._itl_bin((low + 1.0) * step[reps]), gaps * (k - low))
+            else:
+                q = self.c.textless_token_share  # a text chunk per token, but for the textless
+                # ones, whose gaps merge with the next token's: of a token's (1 - q) chunks, q span two
+                np.add.at(self.itl_hist, self._itl_bin(step[reps]), gain * (1.0 - 2.0 * q))
+                if q > 0:
+                    np.add.at(self.itl_hist, self._itl_bin(2.0 * step[reps]), gain * q)
             done = self.generated[active] >= self.r["output"][active]
             for rid in active[done]:
                 over = (self.generated[rid] - self.r["output"][rid]) / max(gain[np.searchsorted(active, rid)], 1e-9)
@@ -679,7 +733,8 @@ class Simulation:
                            "local_prefills": int(self.local[m].sum()),
                            "ttft_p50": _pct(ttft[m], 50), "ttft_p90": _pct(ttft[m], 90),
                            "tpot_p50": _pct(tpot[m], 50), "tpot_p90": _pct(tpot[m], 90)})
-        cdf = np.cumsum(self.itl_hist) / max(self.itl_hist.sum(), 1e-9)
+        hist = spread_histogram(self.itl_hist, self.c.gap_spread_bins, self.c.gap_spread_weights)
+        cdf = np.cumsum(hist) / max(hist.sum(), 1e-9)
         edges = 10 ** (np.arange(400) / 80 - 4)
         return {"requests": int(len(ttft)), "completed": int(np.isfinite(self.finished).sum()), "failed": self.failed,
                 "local_prefills": int(self.local.sum()),
@@ -687,8 +742,7 @@ class Simulation:
                 "ttft_p50": _pct(ttft, 50), "ttft_p90": _pct(ttft, 90), "tpot_p50": _pct(tpot, 50),
                 "itl_p50": float(edges[np.searchsorted(cdf, 0.5)]), "itl_p90": float(edges[np.searchsorted(cdf, 0.9)]),
                 "itl_p99": float(edges[min(399, np.searchsorted(cdf, 0.99))]),
-                "tokens_over_itl_target": float(self.itl_hist[edges > self.itl_target].sum()
-                                                / max(self.itl_hist.sum(), 1e-9)),
+                "tokens_over_itl_target": float(hist[edges > self.itl_target].sum() / max(hist.sum(), 1e-9)),
                 "phases": phases, "timeline": self.timeline}
 
 

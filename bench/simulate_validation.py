@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
-from bench.simulate import RESULTS, Costs, Simulation, serve_run_requests  # noqa: E402
+from bench.simulate import RESULTS, Costs, Simulation, gap_spread, serve_run_requests  # noqa: E402
 from cluster.config import ClusterConfig, TransferConfig  # noqa: E402
 
 METRICS = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "tpot_p50", "goodput_fraction")
@@ -249,9 +249,12 @@ def measured_requests(row: dict[str, Any]) -> dict[str, np.ndarray] | None:
     if not reqs or any(r.get("prompt_tokens") is None for r in reqs):
         return None
     n = len(reqs)
-    return {"arrival": np.zeros(n), "prompt": np.array([r["prompt_tokens"] for r in reqs], dtype=float),
-            "output": np.array([r.get("output_tokens") or row["config"]["output_len"] for r in reqs], dtype=float),
-            "phase": np.zeros(n, dtype=int)}
+    out = {"arrival": np.zeros(n), "prompt": np.array([r["prompt_tokens"] for r in reqs], dtype=float),
+           "output": np.array([r.get("output_tokens") or row["config"]["output_len"] for r in reqs], dtype=float),
+           "phase": np.zeros(n, dtype=int)}
+    if all(isinstance(r.get("itl_s"), list) for r in reqs):  # each stream's text chunks: its gaps + 1
+        out["chunks"] = np.array([len(r["itl_s"]) + 1 for r in reqs], dtype=float)
+    return out
 
 
 def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int) -> dict[str, float]:
@@ -284,7 +287,14 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
     # is one step or two): ITL mean / TPOT mean = 1 / (1 - share); neither mean is a compared metric
     probe = rows[("colocated", "probe")]
     share = min(0.45, max(0.0, 1.0 - probe["tpot_s"]["mean"] / probe["itl_s"]["mean"]))
-    costs = fit_constants(dataclasses.replace(cpu_costs(engine), textless_token_share=share), CPU_FITS, args,
+    # how one-step gaps scatter under load, from the same file's no-Ray server under the same load
+    # (not a compared row): the engine's and the HTTP stream's jitter, without Ray's
+    local = serve["runs"].get("local", {}).get("load", {})
+    spread_bins, spread_weights = gap_spread(np.concatenate(
+        [r["itl_s"] for r in local.get("requests", []) if isinstance(r.get("itl_s"), list)] or [np.zeros(0)]))
+    base = dataclasses.replace(cpu_costs(engine), textless_token_share=share, gap_spread_bins=spread_bins,
+                               gap_spread_weights=spread_weights)
+    costs = fit_constants(base, CPU_FITS, args,
                           lambda key: measured(rows[key]), lambda c, key: simulate_cpu(c, rows[key], key[0], args.seeds))
     out_rows: dict[str, Any] = {}
     predicted: list[float] = []
@@ -302,6 +312,7 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
         print(name, {k: None if v is None else round(v, 3) for k, v in residual.items()})
     fitted = {attr: getattr(costs, attr) for attr, *_ in CPU_FITS}
     fitted["textless_token_share"] = costs.textless_token_share
+    fitted["gap_spread_source"] = "runs.local.load" if spread_bins else None
     return {"benchmark": "simulator-validation-cpu", "environment": environment(), "serve_file": os.path.basename(path),
             "engine_file": engine["_file"], "fitted": fitted, "costs": dataclasses.asdict(costs),
             "predicted_abs_residual": abs_residual_summary(predicted),

@@ -143,6 +143,52 @@ def test_textless_tokens_merge_their_gaps_with_the_next_token():
     assert 1.8 * plain["itl_p90"] < merged["itl_p90"] < 2.2 * plain["itl_p90"]
 
 
+def test_each_requests_own_text_chunks_set_its_gaps():
+    """Which tokens stream text is each request's (the row's own streams, not another run's
+    share): a request of ``o`` tokens and ``c`` chunks has ``(o - 1) / (c - 1)`` steps a gap. A
+    sixteenth of the requests streaming a chunk every two tokens (well under a tenth of the pooled
+    gaps doubled) leaves the pooled p90 at one step, a quarter moves it to two; TPOT is the
+    tokens', unchanged."""
+    from bench.simulate import gap_steps
+    assert np.allclose(gap_steps(np.array([32.0, 32.0, 32.0, 1.0]), np.array([32.0, 16.0, 1.0, 1.0])),
+                       [1.0, 31 / 15, 31.0, 1.0])
+    costs = _costs()
+    reqs = make_requests([Phase(10.0, 2.0, "chat")], seed=4)
+    n = len(reqs["arrival"])
+    plain = Simulation(costs, reqs, prefill=1, decode=1, dt=0.005, concurrency=2).run()
+    runs = {}
+    for share in (16, 4):
+        chunks = reqs["output"].copy()
+        chunks[: n // share] = np.ceil(reqs["output"][: n // share] / 2)  # a chunk per two tokens
+        runs[share] = Simulation(costs, dict(reqs, chunks=chunks), prefill=1, decode=1, dt=0.005,
+                                 concurrency=2).run()
+    assert runs[16]["itl_p90"] < 1.2 * plain["itl_p90"] and runs[16]["itl_p99"] > 1.8 * plain["itl_p50"]
+    assert runs[4]["itl_p90"] > 1.8 * plain["itl_p90"]
+    assert runs[16]["tpot_p50"] == runs[4]["tpot_p50"] == plain["tpot_p50"]
+
+
+def test_a_measured_gap_spread_scatters_the_simulated_gaps_about_their_step():
+    """The one-step gaps of a measured stream (merged and read-together gaps left out) become a
+    kernel on the ITL histogram's log bins, median at 0; spreading a histogram keeps its mass and
+    moves its p90 by the kernel's p90."""
+    from bench.simulate import gap_spread, spread_histogram
+    rng = np.random.default_rng(0)
+    step = 0.05
+    singles = step * np.exp(rng.normal(0.0, 0.1, 2000))
+    gaps = np.concatenate([singles, 2 * step * np.ones(150), 0.01 * step * np.ones(50)])
+    bins, weights = gap_spread(gaps)
+    assert abs(sum(weights) - 1.0) < 1e-9 and min(bins) > -20 and max(bins) < 20  # the 2x / 0.01x left out
+    cdf = np.cumsum(weights)
+    assert bins[int(np.searchsorted(cdf, 0.5))] == 0
+    p90 = bins[int(np.searchsorted(cdf, 0.9))]
+    assert abs(10 ** (p90 / 80) - np.exp(1.2816 * 0.1)) < 0.03  # a lognormal's p90
+    hist = np.zeros(400)
+    hist[200] = 3.0
+    spread = spread_histogram(hist, bins, weights)
+    assert abs(spread.sum() - 3.0) < 1e-9 and spread[200 + p90] > 0 and spread[:200 + min(bins)].sum() == 0
+    assert spread_histogram(hist, (), ()) is hist
+
+
 def test_a_colocated_replicas_prompt_chunks_keep_its_steps_within_the_chunk_step_target():
     """As the served app's colocated replicas (decode replicas prefilling locally, their chunk
     sizer aiming at a step time): long prompts are cut into chunks so that no step, decode batch
