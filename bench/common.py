@@ -100,3 +100,65 @@ def graph_seconds_per_call(call: Any, calls: int, replays: int = 20, skip: int =
         times.append(start.elapsed_time(end) / 1000)
     del graph
     return median(times[skip:]) / calls
+
+
+#: Process names, as Ray titles them, grouped for CPU breakdowns (bench/idle_cpu.py,
+#: bench/serve_compare.py).
+PROCESS_GROUPS = (("ServeController", "serve controller"), ("ProxyActor", "serve proxy"), ("gcs_server", "gcs"),
+                  ("raylet", "raylet"), ("Dashboard", "dashboard"), ("dashboard", "dashboard"),
+                  ("Ingress", "ingress replica"), ("DecodeServer", "decode replica"),
+                  ("PrefillServer", "prefill replica"), ("ClusterState", "state replica"),
+                  ("serve run", "serve run (CLI)"), ("cluster.local_server", "local server"))
+
+
+def process_group(cmdline: str) -> str:
+    for needle, name in PROCESS_GROUPS:
+        if needle in cmdline:
+            return name
+    return "other"
+
+
+def process_cpu_seconds(root_pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of a process and its descendants (Ray's processes are
+    children of the ``serve run`` CLI that starts the local instance), by pid: (group, seconds)."""
+    import psutil
+    seconds = {}
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return seconds
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            seconds[p.pid] = (process_group(" ".join(p.cmdline())), t.user + t.system)
+        except psutil.Error:
+            pass
+    return seconds
+
+
+def cpu_by_group(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each group spent between two ``process_cpu_seconds`` snapshots."""
+    out: dict[str, float] = {}
+    for pid, (group, t) in after.items():
+        out[group] = out.get(group, 0.0) + t - before.get(pid, (group, 0.0))[1]
+    return out
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds so far of a process's threads, summed by thread name (``/proc``'s ``comm``:
+    the engine's step thread, the event loop, Ray's core-worker threads, torch's pool)."""
+    import psutil
+    out: dict[str, float] = {}
+    try:
+        threads = psutil.Process(pid).threads()
+    except psutil.Error:
+        return out
+    for t in threads:
+        try:
+            with open(f"/proc/{pid}/task/{t.id}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + t.user_time + t.system_time
+    return out

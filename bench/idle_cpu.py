@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import environment, write_result  # noqa: E402
+from bench.common import cpu_by_group, environment, process_cpu_seconds, write_result  # noqa: E402
 
 try:
     import httpx
@@ -33,13 +33,6 @@ except ImportError:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = "http://127.0.0.1:8000"
-#: Process names, as Ray titles them, grouped for the breakdown.
-GROUPS = (("ServeController", "serve controller"), ("ProxyActor", "serve proxy"), ("gcs_server", "gcs"),
-          ("raylet", "raylet"), ("Dashboard", "dashboard"), ("dashboard", "dashboard"),
-          ("Ingress", "ingress replica"), ("DecodeServer", "decode replica"),
-          ("PrefillServer", "prefill replica"), ("ClusterState", "state replica"),
-          ("serve run", "serve run (CLI)"))
-
 BARE_APP = '''
 from ray import serve
 
@@ -81,15 +74,7 @@ app = Ingress.bind(DecodeServer.bind(PrefillServer.bind(), state))
 '''
 
 
-def group_of(cmdline: str) -> str:
-    for needle, name in GROUPS:
-        if needle in cmdline:
-            return name
-    return "other"
-
-
 def measure(import_path: str, cwd: str, probe: tuple[str, str, dict[str, Any] | None], args: Any) -> dict[str, Any]:
-    import psutil
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)  # a fresh local Ray instance, as on an operator's machine
     serve_cli = shutil.which("serve") or os.path.join(os.path.dirname(sys.executable), "serve")
@@ -113,28 +98,12 @@ def measure(import_path: str, cwd: str, probe: tuple[str, str, dict[str, Any] | 
             time.sleep(1)
         ready_s = time.monotonic() - start
         time.sleep(args.settle)
-        root = psutil.Process(proc.pid)
-
-        def cpu_seconds() -> dict[int, tuple[str, float]]:
-            # Ray's processes are children of the CLI (it starts the local instance)
-            seconds = {}
-            for p in [root, *root.children(recursive=True)]:
-                try:
-                    t = p.cpu_times()
-                    seconds[p.pid] = (group_of(" ".join(p.cmdline())), t.user + t.system)
-                except psutil.Error:
-                    pass
-            return seconds
-
         windows = []
         for _ in range(args.windows):
-            before = cpu_seconds()
+            before = process_cpu_seconds(proc.pid)
             time.sleep(args.window)
-            after = cpu_seconds()
-            by_group: dict[str, float] = {}
-            for pid, (group, t) in after.items():
-                by_group[group] = by_group.get(group, 0.0) + (t - before.get(pid, (group, 0.0))[1]) / args.window
-            windows.append(by_group)
+            seconds = cpu_by_group(before, process_cpu_seconds(proc.pid))
+            windows.append({group: t / args.window for group, t in seconds.items()})
         totals = [sum(w.values()) for w in windows]
         groups = sorted({g for w in windows for g in w})
         return {"import_path": import_path, "ready_s": round(ready_s, 1),

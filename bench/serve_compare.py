@@ -23,11 +23,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+
+import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import environment  # noqa: E402
+from bench.common import cpu_by_group, environment, process_cpu_seconds, thread_cpu_seconds  # noqa: E402
 from bench.serve import BenchConfig, build_prompts, plot_results, run_benchmark  # noqa: E402
 
 try:
@@ -94,6 +97,32 @@ def stop(proc: subprocess.Popen[str]) -> None:
             continue
 
 
+def with_cpu(root_pid: int, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()``'s result with the CPU seconds every process spent during it (``cpu``): the
+    server's processes by group, the load generator (this process), the engine replica's threads
+    by name, and the share of the machine's cores each group used (seconds / wall / cores)."""
+    me = psutil.Process()
+    engine_pids = [pid for pid, (group, _) in process_cpu_seconds(root_pid).items()
+                   if group in ("decode replica", "local server")]
+    before, client_before = process_cpu_seconds(root_pid), sum(me.cpu_times()[:2])
+    threads_before = {pid: thread_cpu_seconds(pid) for pid in engine_pids}
+    began = time.perf_counter()
+    result = run()
+    wall = time.perf_counter() - began
+    groups = cpu_by_group(before, process_cpu_seconds(root_pid))
+    groups["load generator"] = sum(me.cpu_times()[:2]) - client_before
+    threads: dict[str, float] = {}
+    for pid, was in threads_before.items():
+        for name, t in thread_cpu_seconds(pid).items():
+            threads[name] = threads.get(name, 0.0) + t - was.get(name, 0.0)
+    cores = os.cpu_count() or 1
+    result["cpu"] = {"wall_s": wall, "cores": cores, "seconds": groups,
+                     "share_of_cores": {g: t / wall / cores for g, t in groups.items()},
+                     "engine_replica_threads_s": dict(sorted(threads.items(), key=lambda kv: -kv[1])),
+                     "note": "the engine replica is the decode replica (colocated / disagg) or the local server"}
+    return result
+
+
 def _workload(args: argparse.Namespace) -> dict[str, Any]:
     """The workload fields every run shares: the same seed gives the same prompts and output lengths."""
     return dict(input_len=args.input_len, output_len=args.output_len, input_len_range=0.5,
@@ -112,10 +141,10 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         startup = {"healthy_s": healthy_s, "first_token_s": time.perf_counter() - began}
         print(f"{kind}: /health after {healthy_s:.1f}s, first completion after {startup['first_token_s']:.1f}s")
         common = dict(base_url=url, model=model, **_workload(args))
-        probe = run_benchmark(BenchConfig(**common, num_requests=args.probe_requests, concurrency=1,
-                                          label=f"{kind}-probe"))
-        load = run_benchmark(BenchConfig(**common, num_requests=args.num_requests, concurrency=args.concurrency,
-                                         label=f"{kind}-load"))
+        probe = with_cpu(proc.pid, lambda: run_benchmark(
+            BenchConfig(**common, num_requests=args.probe_requests, concurrency=1, label=f"{kind}-probe")))
+        load = with_cpu(proc.pid, lambda: run_benchmark(
+            BenchConfig(**common, num_requests=args.num_requests, concurrency=args.concurrency, label=f"{kind}-load")))
         probe.pop("requests", None)  # the load runs keep theirs, for the plot
         print(f"{kind}: probe TTFT p50 {probe['ttft_s']['p50']:.3f}s, load {load['output_token_throughput_tps']:.1f} tok/s")
         return {"startup": startup, "probe": probe, "load": load}
@@ -161,9 +190,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=f"bench/results/serve-cpu-{datetime.date.today()}.json")
     parser.add_argument("--plot", help="PNG of the load runs' latency CDFs and percentiles (default: next to --out)")
+    parser.add_argument("--modes", default="local,colocated,disagg",
+                        help="comma-separated deployments to run (the summary needs all three)")
     args = parser.parse_args()
     offline = run_offline(args)
-    runs = {kind: run_one(kind, args) for kind in ("local", "colocated", "disagg")}
+    runs = {kind: run_one(kind, args) for kind in args.modes.split(",")}
+    if set(runs) != {"local", "colocated", "disagg"}:
+        result = {"benchmark": "serve-disagg-vs-colocated", "model": args.model, "kv_transfer": args.kv_transfer,
+                  "command": " ".join(sys.argv), "environment": environment(), "offline": offline, "runs": runs}
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(json.dumps({k: v["load"].get("cpu") for k, v in runs.items()}, indent=2))
+        return
     p50 = {k: v["probe"]["ttft_s"]["p50"] for k, v in runs.items()}
     summary = {
         "ttft_p50_probe_s": p50,

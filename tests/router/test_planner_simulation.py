@@ -4,6 +4,8 @@ keeps decode steps free of prefill chunks, and the planner moves replicas toward
 misses its target."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from bench.simulate import Costs, Phase, Simulation, make_requests
@@ -324,3 +326,31 @@ def test_the_offline_replay_serves_a_served_rows_requests_with_its_clients_and_s
     assert 0 < run["ttft_p50_s"] <= run["ttft_p90_s"] and run["itl_p50_s"] > 0
     assert out["served_over_offline"]["ttft_p50_s"] == 0.5 / out["median"]["ttft_p50_s"]
     assert json.loads((tmp_path / "r.json").read_text())["benchmark"] == "offline-replay"
+
+
+def test_cpu_accounting_counts_a_busy_child_and_its_threads():
+    """bench/serve_compare.py's CPU breakdown: a child that spins for a while shows up in its
+    group with about that many CPU seconds, and this process's threads are summed by name."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.common import cpu_by_group, process_cpu_seconds, process_group, thread_cpu_seconds
+    assert process_group("ray::ServeReplica:cluster:DecodeServer") == "decode replica"
+    assert process_group("python -m cluster.local_server model=smollm2") == "local server"
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.6: pass\ntime.sleep(30)"])
+    try:
+        before = process_cpu_seconds(child.pid)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            spent = cpu_by_group(before, process_cpu_seconds(child.pid)).get("other", 0.0)
+            if spent >= 0.4:
+                break
+            time.sleep(0.1)
+        assert 0.4 <= spent < 5.0
+    finally:
+        child.kill()
+        child.wait()
+    names = thread_cpu_seconds(os.getpid())
+    assert names and sum(names.values()) > 0
