@@ -65,7 +65,7 @@ def gpu_test_ids() -> list[str]:
     return sorted(ids, key=lambda i: (not i.startswith("tests/engine/"), -os.path.getsize(os.path.join(ROOT, i.split("::")[0]))))
 
 
-def run_gpu_tests(workdir: str, timeout_s: float, jobs: int, log: str | None = None) -> dict[str, int]:
+def run_gpu_tests(workdir: str, timeout_s: float, jobs: int, log: str | None = None) -> dict[str, Any]:
     """Every ``gpu``-marked test, one pytest process per test, ``jobs`` at a time on the one GPU
     (Triton's compiles and autotuning are CPU-bound, the tests small); a test still running at the
     deadline, or not started by it, counts as a failure. Each test's time and outcome go to
@@ -81,6 +81,10 @@ def run_gpu_tests(workdir: str, timeout_s: float, jobs: int, log: str | None = N
     running: dict[str, tuple[subprocess.Popen, float, str, str]] = {}
     totals = {"passed": 0, "failed": 0}
     logs: list[str] = []
+    #: Tests that ran out of GPU memory beside others: each runs once more, alone, at the end, and
+    #: counts as that run says (the result names them); any other failure counts at once.
+    out_of_memory: list[str] = []
+    rerun_alone: list[str] = []
 
     def done(name: str, proc: subprocess.Popen, began: float, out: str, junit: str, timed_out: bool) -> None:
         with open(out, errors="replace") as f:
@@ -92,6 +96,12 @@ def run_gpu_tests(workdir: str, timeout_s: float, jobs: int, log: str | None = N
             if proc.returncode not in (0, 1, 5) and not counts["failed"]:  # pytest itself failed
                 counts["failed"] = 1
             what = "FAILED" if counts["failed"] else "passed" if counts["passed"] else "skipped"
+        if (counts["failed"] and not timed_out and name not in rerun_alone and jobs > 1
+                and "OutOfMemoryError" in text):
+            print(f"{time.monotonic() - began:6.1f} s  out of GPU memory beside other tests, rerun alone: {name}")
+            logs.append(f"===== {name}: out of GPU memory beside other tests (rerun alone)\n{text}")
+            out_of_memory.append(name)
+            return
         print(f"{time.monotonic() - began:6.1f} s  {what}  {name}")
         if counts["failed"]:
             print(text[-3000:])
@@ -99,8 +109,11 @@ def run_gpu_tests(workdir: str, timeout_s: float, jobs: int, log: str | None = N
         for key in totals:
             totals[key] += counts[key]
 
-    while pending or running:
-        while pending and len(running) < jobs:
+    while pending or running or out_of_memory:
+        if not pending and not running:  # the out-of-memory ones, one at a time
+            rerun_alone.append(out_of_memory.pop(0))
+            pending.append(rerun_alone[-1])
+        while pending and len(running) < (1 if rerun_alone else jobs):
             name = pending.pop(0)
             out, junit = (os.path.join(workdir, f"test{len(logs) + len(running)}-{time.monotonic_ns()}.{ext}")
                           for ext in ("log", "xml"))
@@ -120,14 +133,14 @@ def run_gpu_tests(workdir: str, timeout_s: float, jobs: int, log: str | None = N
                 done(name, proc, began, out, junit, True)
             if pending:
                 print(f"not started by the deadline ({len(pending)}): {pending}")
-            totals["failed"] += len(pending)
+            totals["failed"] += len(pending) + len(out_of_memory)
             break
         time.sleep(0.2)
     if log:
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
         with open(log, "w") as f:
             f.write("\n".join(logs))
-    return totals
+    return dict(totals, rerun_alone=rerun_alone) if rerun_alone else totals
 
 
 def graph_state(make: Any, label: str) -> str:
