@@ -122,7 +122,7 @@ def process_cpu_seconds(root_pid: int) -> dict[int, tuple[str, float]]:
     """CPU seconds (user + system) so far of a process and its descendants (Ray's processes are
     children of the ``serve run`` CLI that starts the local instance), by pid: (group, seconds)."""
     import psutil
-    seconds = {}
+    seconds: dict[int, tuple[str, float]] = {}
     try:
         root = psutil.Process(root_pid)
         procs = [root, *root.children(recursive=True)]

@@ -102,9 +102,11 @@ def fit_constants(costs: Costs, fits: tuple[tuple[str, float, float, Any, str], 
             want = measure(row)[metric]
             for _ in range(args.fit_iters):
                 mid = math.sqrt(low * high)
-                got = simulated(dataclasses.replace(costs, **{attr: mid}), row)[metric]
+                trial: dict[str, Any] = {attr: mid}
+                got = simulated(dataclasses.replace(costs, **trial), row)[metric]
                 low, high = (low, mid) if got > want else (mid, high)
-            costs = dataclasses.replace(costs, **{attr: math.sqrt(low * high)})
+            chosen: dict[str, Any] = {attr: math.sqrt(low * high)}
+            costs = dataclasses.replace(costs, **chosen)
     return costs
 
 

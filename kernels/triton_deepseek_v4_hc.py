@@ -20,11 +20,19 @@ multiplies the product (float32 rounding apart, the same), and ``hc_post`` round
 reference rounds ``post``/``comb`` to the model's dtype and then each product (one bf16 ulp)."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_support import exact_dot
+from kernels.triton_support import INTERPRET, exact_dot
+
+#: bf16 streams: the mixes' products as three bf16 tensor-core products of ``fn``'s exact bf16
+#: split (``_hc_mix_kernel``'s ``SPLIT_W``) instead of a float32 FMA product (``input_precision=
+#: "ieee"``): the same products, summed in another order. Off until the GPU gate has run with it
+#: (``PD_HC_MIX_BF16X3=1`` turns it on; kernels/NOTES.md, "DeepSeek-V4 prefill").
+SPLIT_BF16: bool = os.environ.get("PD_HC_MIX_BF16X3") == "1"
 
 #: Columns of ``flat`` per program of the mixes kernel (a multiple of ``BLOCK_K``): 128 programs
 #: a token at V4-Flash width (K = 4 x 4096), each one load of its slice of ``fn`` (at 256 columns
@@ -36,7 +44,7 @@ BLOCK_K = 128
 @triton.jit
 def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, stride_x, SPLITS,
                    M: tl.constexpr, M_PAD: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr = False, UPCAST: tl.constexpr = False):
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -49,10 +57,27 @@ def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, stride_x, SPLITS,
     for k0 in range(0, CHUNK_K, BLOCK_K):
         ks = split * CHUNK_K + k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        xt = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                     other=0.0).to(tl.float32)
+        xs = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        xt = xs.to(tl.float32)
         w = tl.load(fn_ptr + ms[None, :] * K + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        acc = exact_dot(xt, w.to(tl.float32), acc)
+        w = w.to(tl.float32)
+        if SPLIT_W:  # bf16 streams: fn as three bf16 pieces (hi + mid + lo == fn exactly), each
+            # product of bf16 values exact in float32, on the tensor cores
+            w_hi = w.to(tl.bfloat16)
+            rest = w - w_hi.to(tl.float32)
+            w_mid = rest.to(tl.bfloat16)
+            w_lo = (rest - w_mid.to(tl.float32)).to(tl.bfloat16)
+            if UPCAST:  # the interpreter's bf16 dot is unreliable: the same pieces in float32
+                acc = exact_dot(xt, w_hi.to(tl.float32), acc)
+                acc = exact_dot(xt, w_mid.to(tl.float32), acc)
+                acc = exact_dot(xt, w_lo.to(tl.float32), acc)
+            else:
+                acc = tl.dot(xs, w_hi, acc)
+                acc = tl.dot(xs, w_mid, acc)
+                acc = tl.dot(xs, w_lo, acc)
+        else:
+            acc = exact_dot(xt, w, acc)
         sq += tl.sum(xt * xt, 1)
     out = (rows64[:, None] * SPLITS + split) * M_PAD + ms[None, :]
     tl.store(part_ptr + out, acc, mask=row_ok[:, None])
@@ -159,7 +184,8 @@ def hc_pre_triton(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     block_t = 16 if t <= 512 else 64
     _hc_mix_kernel[(triton.cdiv(t, block_t), splits)](
         x, fn, part, sq, t, k, x.stride(0), splits, M=m, M_PAD=m_pad, CHUNK_K=CHUNK, BLOCK_T=block_t,
-        BLOCK_K=BLOCK_K, num_warps=4 if block_t == 16 else 8)
+        BLOCK_K=BLOCK_K, SPLIT_W=SPLIT_BF16 and x.dtype == torch.bfloat16, UPCAST=INTERPRET,
+        num_warps=4 if block_t == 16 else 8)
     block_h = min(512, triton.next_power_of_2(h))
     _hc_pre_finish_kernel[(t * triton.cdiv(h, block_h),)](
         part, sq, x, base, scale, out, post, comb, k, h, splits, x.stride(0), x.stride(1), out.stride(0),

@@ -309,14 +309,22 @@ def _hc_inputs(t: int, n: int, h: int, dtype: torch.dtype, seed: int) -> tuple[t
     return tuple(v.to(DEVICE) for v in (x, fn, base, scale, out))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,n,h", [(1, 4, 64), (5, 4, 96), (19, 2, 40), (2, 3, 300), (3, 4, 1100)])
-def test_hyper_connections(t: int, n: int, h: int, dtype: torch.dtype) -> None:
+_HC_SHAPES = [(1, 4, 64), (5, 4, 96), (19, 2, 40), (2, 3, 300), (3, 4, 1100)]
+
+
+@pytest.mark.parametrize("t,n,h,dtype,split_bf16", [
+    *[(*shape, dtype, False) for shape in _HC_SHAPES for dtype in (torch.float32, torch.bfloat16)],
+    *[(*shape, torch.bfloat16, True) for shape in _HC_SHAPES if shape[0] != 19]])
+def test_hyper_connections(t: int, n: int, h: int, dtype: torch.dtype, split_bf16: bool,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
     """hc_pre (split mixes, Sinkhorn in registers, collapse) and hc_post against the references:
     float32 to its rounding, bf16 to one ulp of the outputs; N not a power of two, H not a
-    multiple of the slice, H over several slices, scratch and outputs poisoned."""
+    multiple of the slice, H over several slices, scratch and outputs poisoned. ``bf16x3``: the
+    mixes of bf16 streams as three bf16 products of fn's exact split, to the same tolerances."""
+    from kernels import triton_deepseek_v4_hc as hc
     from kernels.deepseek_v4_ref import hc_post_ref, hc_pre_ref
     from kernels.triton_deepseek_v4_hc import hc_post_triton, hc_pre_triton
+    monkeypatch.setattr(hc, "SPLIT_BF16", split_bf16)
 
     x, fn, base, scale, out = _hc_inputs(t, n, h, dtype, seed=t * 7 + n)
     ref = hc_pre_ref(x, fn, base, scale, 20, 1e-6, 1e-6)
@@ -332,11 +340,14 @@ def test_hyper_connections(t: int, n: int, h: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(spread.float(), hc_post_ref(out, x, ref[1], ref[2]).float(), rtol=2 * ulp, atol=2 * ulp)
 
 
-def test_hyper_connections_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("split_bf16", [False, True], ids=["ieee", "bf16x3"])
+def test_hyper_connections_rows_do_not_depend_on_the_batch(split_bf16: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A token's results are the same alone as in a batch (fixed K chunks, fixed sum order), bit
     for bit on a GPU: decode, verify and prefill rows of one token agree (interpreted, within
     rounding)."""
+    from kernels import triton_deepseek_v4_hc as hc
     from kernels.triton_deepseek_v4_hc import hc_post_triton, hc_pre_triton
+    monkeypatch.setattr(hc, "SPLIT_BF16", split_bf16)
 
     x, fn, base, scale, out = _hc_inputs(9, 4, 640, torch.bfloat16, seed=3)
     batch = hc_pre_triton(x, fn, base, scale, 20, 1e-6, 1e-6)
@@ -359,13 +370,16 @@ def test_hyper_connections_rows_do_not_depend_on_the_batch() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_gpu_hyper_connections_v4_flash_width() -> None:
+def test_gpu_hyper_connections_v4_flash_width(monkeypatch: pytest.MonkeyPatch) -> None:
     """V4-Flash: 4 streams of 4096, 20 Sinkhorn iterations, bf16 streams; a decode row, a batch of
-    32 and a prefill chunk of 4096 (one test: one process in the GPU gate's budget)."""
+    32 and a prefill chunk of 4096 (one test: one process in the GPU gate's budget), the mixes as
+    float32 FMA products and as three bf16 tensor-core products of fn's split."""
+    from kernels import triton_deepseek_v4_hc as hc
     from kernels.deepseek_v4_ref import hc_post_ref, hc_pre_ref
     from kernels.triton_deepseek_v4_hc import hc_post_triton, hc_pre_triton
 
-    for t in (1, 32, 4096):
+    for t, split in ((1, False), (32, False), (4096, False), (1, True), (32, True), (4096, True)):
+        monkeypatch.setattr(hc, "SPLIT_BF16", split)
         x, fn, base, scale, out = _hc_inputs(t, 4, 4096, torch.bfloat16, seed=t)
         ref = hc_pre_ref(x, fn, base, scale, 20, 1e-6, 1e-6)
         got = hc_pre_triton(x, fn, base, scale, 20, 1e-6, 1e-6)
@@ -722,8 +736,11 @@ def _portability_cases() -> list[tuple[str, object, tuple[object, ...], dict[str
     from kernels import triton_deepseek_v4_hc as hc
     streams, fn, part, sq = t(64, 4, 4096), t(24, 16384, dtype=f32), t(64, 128, 32, dtype=f32), t(64, 128, dtype=f32)
     for block_t, warps in ((16, 4), (64, 8)):
-        cases.append((f"v4_hc_mix_t{block_t}", hc._hc_mix_kernel, (streams, fn, part, sq, 64, 16384, 16384, 128),
-                      dict(M=24, M_PAD=32, CHUNK_K=hc.CHUNK, BLOCK_T=block_t, BLOCK_K=hc.BLOCK_K, num_warps=warps)))
+        for split in (False, True):
+            cases.append((f"v4_hc_mix_t{block_t}" + ("_bf16x3" if split else ""), hc._hc_mix_kernel,
+                          (streams, fn, part, sq, 64, 16384, 16384, 128),
+                          dict(M=24, M_PAD=32, CHUNK_K=hc.CHUNK, BLOCK_T=block_t, BLOCK_K=hc.BLOCK_K, SPLIT_W=split,
+                               num_warps=warps)))
     post, comb, block_out = t(64, 4, dtype=f32), t(64, 4, 4, dtype=f32), t(64, 4096)
     cases.append(("v4_hc_pre_finish", hc._hc_pre_finish_kernel,
                   (part, sq, streams, t(24, dtype=f32), t(3, dtype=f32), block_out, post, comb, 16384, 4096, 128,
@@ -784,7 +801,7 @@ def test_v4_kernels_compile_for_sm90_and_sm120() -> None:
     failures = [r for r in records if "error" in r]
     assert not failures, json.dumps(failures, indent=1)
     names = {r["kernel"] for r in records}
-    assert len(names) == 18
+    assert len(names) == 20  # the hyper-connection mixes twice: float32 FMA and bf16x3 products
     for name in names:
         sm120 = [(r["shared"], r["config"]) for r in records if r["kernel"] == name and r["arch"] == "sm_120"]
         assert sm120 and all(shared <= SM120_SHARED_LIMIT for shared, _ in sm120), (name, sm120)
