@@ -51,6 +51,7 @@ from bench.deepseek_v4_layers import (LAYERS, Capture, blocks, build_model, devi
 from bench.v4_decode_profile import TRITON_KERNEL_CLASSES  # noqa: E402
 from cluster.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 from cluster.models.deepseek_v4_config import CSA, SLIDING  # noqa: E402
+from kernels import triton_deepseek_v4_hc as hc_kernels  # noqa: E402
 
 GEMM_MARKS = ("gemm", "cutlass", "nvjet", "xmma", "cublas")
 
@@ -277,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                "experts": "mxfp4", **config}}
     model = build_model(config, device, dtype)
     result["kernels"] = list(model.ops.table)
+    # fast paths that are off by default until gated, named so an A/B run says which it measured
+    result["opt_in_paths"] = {"hc_mix_bf16x3": hc_kernels.SPLIT_BF16}
 
     def checkpoint(partial: dict[str, Any]) -> None:  # what a killed run leaves is still a result
         if opts.out:
