@@ -102,9 +102,8 @@ def with_cpu(root_pid: int, run: Callable[[], dict[str, Any]]) -> dict[str, Any]
     server's processes by group, the load generator (this process), the engine replica's threads
     by name, and the share of the machine's cores each group used (seconds / wall / cores)."""
     me = psutil.Process()
-    engine_pids = [pid for pid, (group, _) in process_cpu_seconds(root_pid).items()
-                   if group in ("decode replica", "local server")]
     before, client_before = process_cpu_seconds(root_pid), sum(me.cpu_times()[:2])
+    engine_pids = [pid for pid, (group, _) in before.items() if group in ("decode replica", "local server")]
     threads_before = {pid: thread_cpu_seconds(pid) for pid in engine_pids}
     began = time.perf_counter()
     result = run()
@@ -195,16 +194,29 @@ def main() -> None:
     args = parser.parse_args()
     offline = run_offline(args)
     runs = {kind: run_one(kind, args) for kind in args.modes.split(",")}
-    if set(runs) != {"local", "colocated", "disagg"}:
-        result = {"benchmark": "serve-disagg-vs-colocated", "model": args.model, "kv_transfer": args.kv_transfer,
-                  "command": " ".join(sys.argv), "environment": environment(), "offline": offline, "runs": runs}
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    full = set(runs) == {"local", "colocated", "disagg"}
+    summary = compare(runs, offline) if full else None
+    result: dict[str, Any] = {"benchmark": "serve-disagg-vs-colocated", "model": args.model,
+                              "kv_transfer": args.kv_transfer, "command": " ".join(sys.argv),
+                              "environment": environment(), **({"summary": summary} if full else {}),
+                              "offline": offline, "runs": runs}
+    if full:
+        result["note"] = ("one machine: prefill and decode replicas share its CPU cores, so disaggregation here "
+                          "measures its overheads (transfer, extra hops), not the interference it removes on GPUs")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    if not full:
         print(json.dumps({k: v["load"].get("cpu") for k, v in runs.items()}, indent=2))
         return
+    plot_results([runs[k]["load"] for k in runs], args.plot or os.path.splitext(args.out)[0] + ".png")
+    print(json.dumps(summary, indent=2))
+
+
+def compare(runs: dict[str, Any], offline: dict[str, Any]) -> dict[str, Any]:
+    """The three deployments against each other and the offline engine."""
     p50 = {k: v["probe"]["ttft_s"]["p50"] for k, v in runs.items()}
-    summary = {
+    return {
         "ttft_p50_probe_s": p50,
         "ttft_added_by_ray_s": p50["colocated"] - p50["local"],
         "ttft_added_by_disaggregation_s": p50["disagg"] - p50["colocated"],
@@ -219,16 +231,6 @@ def main() -> None:
         # answering and to its first one-token completion
         "startup_s": {k: v["startup"] for k, v in runs.items()},
     }
-    result = {"benchmark": "serve-disagg-vs-colocated", "model": args.model, "kv_transfer": args.kv_transfer,
-              "command": " ".join(sys.argv), "environment": environment(), "summary": summary, "offline": offline, "runs": runs,
-              "note": "one machine: prefill and decode replicas share its CPU cores, so disaggregation here "
-                      "measures its overheads (transfer, extra hops), not the interference it removes on GPUs"}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    plot_results([runs[k]["load"] for k in runs], args.plot or os.path.splitext(args.out)[0] + ".png")
-    print(json.dumps(summary, indent=2))
-
 
 if __name__ == "__main__":
     main()

@@ -87,24 +87,12 @@ def test_idle_service_leaves_the_cpu_idle(served):
     raylet take about 0.12 whatever the application; this project adds 0.045 (engine loops,
     stats reports, the ingress's cluster view). A total under 0.1 core is below Ray Serve's own
     floor on this machine."""
-    import psutil
+    from bench.common import cpu_by_group, process_cpu_seconds
 
-    root = psutil.Process(served.pid)
     time.sleep(3.0)  # let the first requests' work drain
-
-    def cpu_seconds() -> dict[int, tuple[str, float]]:
-        seconds = {}
-        for p in [root, *root.children(recursive=True)]:
-            try:
-                times = p.cpu_times()
-                seconds[p.pid] = (" ".join(p.cmdline()[:1])[:60], times.user + times.system)
-            except psutil.Error:
-                pass
-        return seconds
     window = 10.0
-    before = cpu_seconds()
+    before = process_cpu_seconds(served.pid)
     time.sleep(window)
-    after = cpu_seconds()
-    used = {name: (t - before.get(pid, (name, 0.0))[1]) / window for pid, (name, t) in after.items()}
+    used = {group: t / window for group, t in cpu_by_group(before, process_cpu_seconds(served.pid)).items()}
     top = sorted(used.items(), key=lambda kv: -kv[1])[:5]
     assert sum(used.values()) < 0.5, f"idle service used {sum(used.values()):.2f} cores: {top}"
