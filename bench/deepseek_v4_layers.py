@@ -47,6 +47,7 @@ from cluster.models.context import ForwardContext  # noqa: E402
 from cluster.models.deepseek_v4 import DeepseekV4Block, DeepseekV4ForCausalLM, kernel_components  # noqa: E402
 from cluster.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Args  # noqa: E402
 from cluster.models.dummy import init_dummy_weights  # noqa: E402
+from kernels import triton_deepseek_v4_hc as hc_kernels  # noqa: E402
 from kernels.quant import QuantizedWeight  # noqa: E402
 from cluster.models.ops import resolve_ops  # noqa: E402
 from tests.deepseek_factories import V4_FLASH_CONFIG  # noqa: E402
@@ -301,6 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device, shape, dtype, config = device_and_widths(parser, opts.tiny)
     results: dict[str, Any] = {"env": environment(), "config": {"layers": LAYERS, **asdict(shape),
                                                                 "dtype": str(dtype), "experts": "mxfp4", **config}}
+    # fast paths that are off by default until gated, named so an A/B run says which it measured
+    results["opt_in_paths"] = {"hc_mix_bf16x3": hc_kernels.SPLIT_BF16}
     run_section(results, "anchors", lambda: anchors(device, opts.tiny))
     holder: dict[str, DeepseekV4ForCausalLM] = {}
     run_section(results, "model", lambda: {"kernels": list((holder.setdefault(
