@@ -52,10 +52,17 @@ def bench_ours(llm: LLM, batch: int, new_tokens: int, repeats: int) -> dict[str,
         outs = llm.generate(prompts, params)
         walls.append(time.perf_counter() - start)
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
-    # per-token decode latency: time engine steps once all requests are past their prefill
+    wall = median(walls)
+    return {"throughput_tok_s": batch * new_tokens / wall, "wall_s": wall,
+            "decode_step_ms": decode_step_ms(llm, prompts, params, f"lat-{batch}")}
+
+
+def decode_step_ms(llm: LLM, prompts: list[str], params: SamplingParams, tag: str) -> float:
+    """Per-token decode latency: the median of the engine's steps once every request is past its
+    prefill (the first and last such step left out), all ``prompts`` in one batch."""
     engine = llm.engine
     for i, p in enumerate(prompts):
-        engine.add_request(f"lat-{batch}-{i}", p, params)
+        engine.add_request(f"{tag}-{i}", p, params)
     steps = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
@@ -63,9 +70,7 @@ def bench_ours(llm: LLM, batch: int, new_tokens: int, repeats: int) -> dict[str,
         elapsed = time.perf_counter() - start
         if all(g.samples[0].num_output_tokens > 0 for g in engine.groups.values()):
             steps.append(elapsed)
-    wall = median(walls)
-    return {"throughput_tok_s": batch * new_tokens / wall, "wall_s": wall,
-            "decode_step_ms": 1000 * median(steps[1:-1] or steps)}
+    return 1000 * median(steps[1:-1] or steps)
 
 
 def bench_hf(model, tokenizer, batch: int, new_tokens: int, repeats: int) -> dict[str, float]:

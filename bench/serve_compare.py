@@ -10,6 +10,8 @@ Each runs a latency probe (one request at a time: TTFT with no queueing) and a l
 (``--concurrency`` requests in flight). TTFT added by Ray = colocated - local (probe medians);
 TTFT added by disaggregation = disagg - colocated (probe medians); plus throughput and goodput,
 and each deployment's load-run output tok/s over the offline engine's (what serving costs).
+Before and after the deployments it times the engine's decode steps by batch at the served
+replica's one thread (``replica_steps``): the simulator's validation prices its steps from them.
 
     python bench/serve_compare.py --out bench/results/serve-cpu-<date>.json
 """
@@ -174,6 +176,34 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
             "max_num_seqs": args.concurrency}
 
 
+def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 32) -> dict[str, Any]:
+    """The engine's decode step time by batch (1, 2, 4 ... ``--concurrency``) at the served
+    replica's thread count: Ray starts a ``num_cpus=0`` replica with ``OMP_NUM_THREADS=1``, so it
+    computes on one core. Measured here, in the same run as the deployments, the simulator's
+    validation (``bench/simulate_validation.py --cpu``) prices steps on the machine the served runs
+    saw; the load run's own prompts, so the contexts are theirs."""
+    import torch
+
+    from bench.engine import decode_step_ms
+    from cluster import LLM, SamplingParams
+    config = BenchConfig(base_url="", model=args.model, num_requests=args.num_requests,
+                         concurrency=args.concurrency, **_workload(args))
+    prompts = [p for p, _, _ in build_prompts(config)[config.warmup:]]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        llm = LLM(args.model, max_num_seqs=args.concurrency)
+        llm.generate(prompts[:1], params.replace(max_tokens=4))  # warm-up
+        batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.concurrency] + [args.concurrency]
+        rows = [{"batch": b, "decode_step_ms": decode_step_ms(llm, prompts[:b], params, f"steps-{b}")}
+                for b in batches]
+    finally:
+        torch.set_num_threads(was)
+    print("replica steps (ms):", {r["batch"]: round(r["decode_step_ms"], 1) for r in rows})
+    return {"threads": threads, "new_tokens": new_tokens, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -193,13 +223,16 @@ def main() -> None:
                         help="comma-separated deployments to run (the summary needs all three)")
     args = parser.parse_args()
     offline = run_offline(args)
+    steps_before = replica_steps(args)
     runs = {kind: run_one(kind, args) for kind in args.modes.split(",")}
+    steps_after = replica_steps(args)
     full = set(runs) == {"local", "colocated", "disagg"}
     summary = compare(runs, offline) if full else None
     result: dict[str, Any] = {"benchmark": "serve-disagg-vs-colocated", "model": args.model,
                               "kv_transfer": args.kv_transfer, "command": " ".join(sys.argv),
                               "environment": environment(), **({"summary": summary} if full else {}),
-                              "offline": offline, "runs": runs}
+                              "offline": offline, "runs": runs,
+                              "replica_steps": {"before": steps_before, "after": steps_after}}
     if full:
         result["note"] = ("one machine: prefill and decode replicas share its CPU cores, so disaggregation here "
                           "measures its overheads (transfer, extra hops), not the interference it removes on GPUs")

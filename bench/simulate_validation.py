@@ -232,7 +232,24 @@ CPU_FITS = (("step_overhead_s", 1e-4, 0.2, ("colocated", "probe"), "itl_p50"),
 #: The served colocated replica's prompt-chunk step target: it is a decode replica prefilling
 #: locally, whose ChunkSizer aims at local_prefill_itl_share of the app's target_itl_s.
 SERVED_CHUNK_STEP_S = TransferConfig().local_prefill_itl_share * ClusterConfig().target_itl_s
+#: the engine file a serving run without its own step table (``replica_steps``) is priced from
+DEFAULT_CPU_ENGINE_FILE = "engine-cpu-2026-12-06-vnni.json"
 CPU_SERVE_MODES = ("colocated", "disagg")  # "local" (no Ray, no router) is not a cluster layout
+
+
+def replica_step_table(serve: dict[str, Any]) -> dict[str, Any] | None:
+    """The serving run's own step table (``bench/serve_compare.py``'s ``replica_steps``: the
+    engine at the served replica's thread count, timed before and after the deployments in the
+    same run), as an engine file's rows: each batch's mean of the two."""
+    steps = serve.get("replica_steps")
+    if not steps:
+        return None
+    times: dict[int, list[float]] = {}
+    for when in ("before", "after"):
+        for row in (steps.get(when) or {}).get("rows", []):
+            times.setdefault(int(row["batch"]), []).append(float(row["decode_step_ms"]))
+    return {"rows": [{"batch": b, "ours": {"decode_step_ms": sum(t) / len(t)}} for b, t in sorted(times.items())],
+            "_file": "replica_steps (the serving run's own)"}
 
 
 def cpu_costs(engine: dict[str, Any]) -> CpuCosts:
@@ -281,9 +298,11 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
     path = path if os.path.exists(path) else os.path.join(RESULTS, path)
     with open(path) as f:
         serve = json.load(f)
-    engine_path = os.path.join(RESULTS, args.cpu_engine_file)
-    with open(engine_path) as f:
-        engine = dict(json.load(f), _file=os.path.basename(engine_path))
+    engine = replica_step_table(serve) if not args.cpu_engine_file else None
+    if engine is None:
+        engine_path = os.path.join(RESULTS, args.cpu_engine_file or DEFAULT_CPU_ENGINE_FILE)
+        with open(engine_path) as f:
+            engine = dict(json.load(f), _file=os.path.basename(engine_path))
     rows = {(mode, phase): serve["runs"][mode][phase] for mode in CPU_SERVE_MODES for phase in ("probe", "load")}
     # the stream's textless tokens, from the colocated probe (one request at a time, so every gap
     # is one step or two): ITL mean / TPOT mean = 1 / (1 - share); neither mean is a compared metric
@@ -342,8 +361,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="validate against the CPU serving run instead")
     parser.add_argument("--cpu-serve-file", default=None, help="default: the latest serve-cpu-*.json")
-    parser.add_argument("--cpu-engine-file", default="engine-cpu-2026-12-03-lean.json",
-                        help="the engine's decode step times on the CPU (same code as the serving run)")
+    parser.add_argument("--cpu-engine-file", default=None,
+                        help="the engine's decode step times on the CPU (same code as the serving run); default: "
+                             "the serving run's own replica_steps where it has them, else "
+                             f"{DEFAULT_CPU_ENGINE_FILE}")
     parser.add_argument("--prefill-steps", action="store_true",
                         help="GPU runs: the prefill replica in budget-packed steps (Simulation.prefill_steps; "
                              "the CPU validation always uses them)")

@@ -354,3 +354,31 @@ def test_cpu_accounting_counts_a_busy_child_and_its_threads():
         child.wait()
     names = thread_cpu_seconds(os.getpid())
     assert names and sum(names.values()) > 0
+
+
+def test_the_serving_runs_own_step_table_prices_the_cpu_validation(tmp_path):
+    """``bench/serve_compare.py`` times the engine's decode steps at the served replica's one
+    thread, by batch up to the load's concurrency, on the load's own prompts, and leaves the
+    process's thread count as it found it; the CPU validation takes that table (each batch's
+    mean of the before and after runs) over any engine file, unless one is named."""
+    import argparse
+
+    import torch
+
+    from bench import serve_compare, simulate_validation
+    args = argparse.Namespace(model="smollm2", num_requests=4, concurrency=2, input_len=24, output_len=4,
+                              ttft_target_s=2.0, itl_target_s=0.25, seed=0)
+    threads = torch.get_num_threads()
+    steps = serve_compare.replica_steps(args, new_tokens=6)
+    assert torch.get_num_threads() == threads
+    assert steps["threads"] == 1 and [r["batch"] for r in steps["rows"]] == [1, 2]
+    assert all(0 < r["decode_step_ms"] < 5000 for r in steps["rows"])
+
+    after = {"threads": 1, "rows": [{"batch": 1, "decode_step_ms": 30.0}, {"batch": 2, "decode_step_ms": 50.0}]}
+    before = {"threads": 1, "rows": [{"batch": 1, "decode_step_ms": 10.0}, {"batch": 2, "decode_step_ms": 30.0}]}
+    table = simulate_validation.replica_step_table({"replica_steps": {"before": before, "after": after}})
+    assert table is not None
+    costs = simulate_validation.cpu_costs(table)
+    assert costs.step_batches == (1.0, 2.0) and costs.step_seconds == (0.02, 0.04)
+    assert "serving run" in costs.sources["engine"]
+    assert simulate_validation.replica_step_table({"runs": {}}) is None
