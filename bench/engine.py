@@ -57,7 +57,7 @@ def bench_ours(llm: LLM, batch: int, new_tokens: int, repeats: int) -> dict[str,
             "decode_step_ms": decode_step_ms(llm, prompts, params, f"lat-{batch}")}
 
 
-def decode_step_ms(llm: LLM, prompts: list[str], params: SamplingParams, tag: str) -> float:
+def decode_step_ms(llm: LLM, prompts: list[str] | list[str | list[int]], params: SamplingParams, tag: str) -> float:
     """Per-token decode latency: the median of the engine's steps once every request is past its
     prefill (the first and last such step left out), all ``prompts`` in one batch."""
     engine = llm.engine
