@@ -73,6 +73,40 @@ def decode_step_ms(llm: LLM, prompts: list[str] | list[str | list[int]], params:
     return 1000 * median(steps[1:-1] or steps)
 
 
+def mixed_step_ms(llm: LLM, decoding: list[str] | list[str | list[int]], prompt: str | list[int],
+                  params: SamplingParams, tag: str) -> tuple[float, float]:
+    """A step that carries a prompt's chunk beside ``len(decoding)`` decoding requests: the median
+    time of such steps and of their prompt tokens (the chunk is the LLM's cap), timed once every
+    decoding request is past its prefill; steps where fewer were decoding do not count. The
+    requests are run to their end afterwards."""
+    engine = llm.engine
+    decoders = []
+    for i, p in enumerate(decoding):
+        engine.add_request(f"{tag}-d{i}", p, params)
+        decoders.append(engine.groups[f"{tag}-d{i}"].samples[0])
+    while any(d.num_output_tokens == 0 for d in decoders):
+        engine.step()
+    engine.add_request(f"{tag}-p", prompt, params.replace(max_tokens=1))
+    chunked = engine.groups[f"{tag}-p"].samples[0]
+    steps, tokens = [], []
+    while chunked.num_output_tokens == 0:
+        before = chunked.num_computed_tokens
+        full = not any(d.status.finished for d in decoders)
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        if chunked.num_computed_tokens > before and full:
+            steps.append(elapsed)
+            tokens.append(chunked.num_computed_tokens - before)
+    while engine.has_unfinished_requests():
+        engine.step()
+    if not steps:
+        raise RuntimeError(f"{tag}: the decoding requests ended before the prompt's first chunk")
+    # the steps whose chunk the cap bounded (the prompt's last chunk is its remainder), where any were
+    full = [i for i, n in enumerate(tokens) if n == max(tokens)]
+    return 1000 * median([steps[i] for i in full]), float(max(tokens))
+
+
 def bench_hf(model, tokenizer, batch: int, new_tokens: int, repeats: int) -> dict[str, float]:
     prompts = [f"{i}. {PROMPT}" for i in range(batch)]
     tokenizer.padding_side = "left"

@@ -176,6 +176,10 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
             "max_num_seqs": args.concurrency}
 
 
+#: the prompt chunk caps the mixed steps are timed at (``replica_steps``)
+MIXED_CHUNK_CAPS = (16, 64)
+
+
 def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 32) -> dict[str, Any]:
     """The engine's decode step time by batch (1, 2, 4 ... ``--concurrency``) at the served
     replica's thread count: Ray starts a ``num_cpus=0`` replica with ``OMP_NUM_THREADS=1``, so it
@@ -184,24 +188,42 @@ def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 
     saw; the load run's own prompts, so the contexts are theirs."""
     import torch
 
-    from bench.engine import decode_step_ms
+    from bench.engine import decode_step_ms, mixed_step_ms
     from cluster import LLM, SamplingParams
     config = BenchConfig(base_url="", model=args.model, num_requests=args.num_requests,
                          concurrency=args.concurrency, **_workload(args))
-    prompts = [p for p, _, _ in build_prompts(config)[config.warmup:]]
+    built = build_prompts(config)[config.warmup:]
+    prompts = [p for p, _, _ in built]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.concurrency] + [args.concurrency]
     was = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         llm = LLM(args.model, max_num_seqs=args.concurrency)
         llm.generate(prompts[:1], params.replace(max_tokens=4))  # warm-up
-        batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.concurrency] + [args.concurrency]
         rows = [{"batch": b, "decode_step_ms": decode_step_ms(llm, prompts[:b], params, f"steps-{b}")}
                 for b in batches]
+        del llm
+        # steps that carry a prompt chunk beside the decoding requests (a colocated replica's steps
+        # under load): another path than the decode-only steps above; two chunk caps give each
+        # batch's fixed cost and cost per prompt token. The chunked prompts are ones no earlier
+        # request used (no prefix-cache hits).
+        mixed = []
+        spare = iter(reversed(prompts[args.concurrency:]))
+        for cap in MIXED_CHUNK_CAPS:
+            llm = LLM(args.model, max_num_seqs=args.concurrency + 1, long_prefill_token_threshold=cap)
+            llm.generate(prompts[:1], params.replace(max_tokens=4))
+            longest = max(n for _, n, _ in built)
+            decode_params = params.replace(max_tokens=-(-longest // cap) + 8)
+            for b in [0, *batches]:
+                step_ms, tokens = mixed_step_ms(llm, prompts[:b], next(spare), decode_params, f"mixed-{cap}-{b}")
+                mixed.append({"batch": b, "chunk_cap": cap, "step_ms": step_ms, "prompt_tokens": tokens})
+            del llm
     finally:
         torch.set_num_threads(was)
-    print("replica steps (ms):", {r["batch"]: round(r["decode_step_ms"], 1) for r in rows})
-    return {"threads": threads, "new_tokens": new_tokens, "rows": rows}
+    print("replica steps (ms):", {r["batch"]: round(r["decode_step_ms"], 1) for r in rows},
+          "with a prompt chunk:", {(r["batch"], r["prompt_tokens"]): round(r["step_ms"], 1) for r in mixed})
+    return {"threads": threads, "new_tokens": new_tokens, "rows": rows, "mixed": mixed}
 
 
 def main() -> None:

@@ -147,6 +147,15 @@ class Costs:
     def transfer_seconds(self, tokens: float) -> float:
         return self.transfer_fixed_s + tokens * self.kv_bytes_per_token / self.transfer_bw
 
+    def chunk_step_compute(self, batch: float, gpu: float, chunk: float, head: float) -> float:
+        """The compute of a step that carries ``chunk`` tokens of a ``head``-token prompt beside
+        ``batch`` decoding requests (whose decode-only step's compute is ``gpu``)."""
+        return gpu * (batch > 0) + self.prefill_seconds(chunk, head)
+
+    def chunk_tokens(self, target_s: float, batch: float, gpu: float, host: float, head: float) -> float:
+        """The prompt tokens that bring such a step to ``target_s`` (negative: none fit)."""
+        return float((target_s - self.combine(gpu * (batch > 0), host)) / self.prefill_seconds(1.0, head))
+
     @classmethod
     def from_results(cls, layers: int = 36) -> Costs:
         engine = latest("engine-h200-*.json")
@@ -563,10 +572,14 @@ class Simulation:
                     room = self.local_chunk_itl * self.itl_target - gpu[i] * (batch[i] > 0)
                     chunk = min(chunk, max(64.0, room / self.c.prefill_seconds(1.0, head)))
                 if rep.role == "colocated" and self.chunk_step_s is not None:
-                    room = self.chunk_step_s - self.c.combine(gpu[i] * (batch[i] > 0), host[i])
-                    chunk = min(chunk, max(16.0, room / self.c.prefill_seconds(1.0, head)))
-                chunk_s = self.c.prefill_seconds(chunk, head)
-                with_chunk = float(self.c.combine(gpu[i] * (batch[i] > 0) + chunk_s, host[i]))
+                    chunk = min(chunk, max(16.0, self.c.chunk_tokens(self.chunk_step_s, batch[i], gpu[i], host[i],
+                                                                     head)))
+                chunk_s = self.c.prefill_seconds(chunk, head)  # the prompt's progress, in prefill seconds
+                if rep.role == "colocated":
+                    compute = self.c.chunk_step_compute(batch[i], gpu[i], chunk, head)
+                else:
+                    compute = gpu[i] * (batch[i] > 0) + chunk_s
+                with_chunk = float(self.c.combine(compute, host[i]))
                 self._prefill(rep, dt / with_chunk * chunk_s, now)
                 step[i] = with_chunk
         busy = batch > 0

@@ -205,10 +205,32 @@ class CpuCosts(Costs):
     step_batches: tuple[float, ...] = (1.0,)
     step_seconds: tuple[float, ...] = (0.02,)
     prefill_token_s: float = 2e-3
+    #: steps that carry a prompt chunk beside decoding requests, where measured (``replica_steps``'
+    #: ``mixed``): by batch, the step's fixed compute and its compute per prompt token (empty: a
+    #: chunk adds ``prefill_token_s`` a token to the decode-only step)
+    mixed_batches: tuple[float, ...] = ()
+    mixed_base_s: tuple[float, ...] = ()
+    mixed_token_s: tuple[float, ...] = ()
 
     def decode_parts(self, batch: np.ndarray, context_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         compute = np.interp(np.log2(np.maximum(batch, 1.0)), np.log2(self.step_batches), self.step_seconds)
         return compute, self.step_overhead_s + self.step_per_seq_s * batch
+
+    def _mixed(self, batch: float) -> tuple[float, float]:
+        return (float(np.interp(batch, self.mixed_batches, self.mixed_base_s)),
+                float(np.interp(batch, self.mixed_batches, self.mixed_token_s)))
+
+    def chunk_step_compute(self, batch: float, gpu: float, chunk: float, head: float) -> float:
+        if not self.mixed_batches:
+            return super().chunk_step_compute(batch, gpu, chunk, head)
+        base, per_token = self._mixed(batch)
+        return base + per_token * chunk
+
+    def chunk_tokens(self, target_s: float, batch: float, gpu: float, host: float, head: float) -> float:
+        if not self.mixed_batches:
+            return super().chunk_tokens(target_s, batch, gpu, host, head)
+        base, per_token = self._mixed(batch)
+        return (target_s - host - base) / per_token
 
     def prefill_seconds(self, tokens: float, context: float) -> float:
         return tokens * self.prefill_token_s
@@ -229,6 +251,11 @@ CPU_FITS = (("step_overhead_s", 1e-4, 0.2, ("colocated", "probe"), "itl_p50"),
             ("ttft_fixed_s", 1e-3, 0.6, ("colocated", "probe"), "ttft_p50"),
             ("prefill_token_s", 1e-5, 2e-2, ("colocated", "probe"), "ttft_p90"),
             ("transfer_fixed_s", 1e-4, 2.0, ("disagg", "probe"), "ttft_p50"))
+#: The same, where the serving run measured its mixed steps (``CpuCosts.mixed_batches``): they
+#: price the colocated replica's prompt chunks, so the prefill time per token (now the prefill
+#: replica's only) comes from the disaggregated TTFT p90 at concurrency 1.
+CPU_FITS_MIXED = tuple(fit if fit[0] != "prefill_token_s" else
+                       ("prefill_token_s", 1e-5, 2e-2, ("disagg", "probe"), "ttft_p90") for fit in CPU_FITS)
 #: The served colocated replica's prompt-chunk step target: it is a decode replica prefilling
 #: locally, whose ChunkSizer aims at local_prefill_itl_share of the app's target_itl_s.
 SERVED_CHUNK_STEP_S = TransferConfig().local_prefill_itl_share * ClusterConfig().target_itl_s
@@ -248,14 +275,31 @@ def replica_step_table(serve: dict[str, Any]) -> dict[str, Any] | None:
     for when in ("before", "after"):
         for row in (steps.get(when) or {}).get("rows", []):
             times.setdefault(int(row["batch"]), []).append(float(row["decode_step_ms"]))
+    # the mixed steps: each batch's line through its two chunk caps' (tokens, ms), before and after
+    mixed: dict[int, dict[float, list[float]]] = {}
+    for when in ("before", "after"):
+        for row in (steps.get(when) or {}).get("mixed", []):
+            mixed.setdefault(int(row["batch"]), {}).setdefault(float(row["prompt_tokens"]), []).append(
+                float(row["step_ms"]))
+    lines = []
+    for b, points in sorted(mixed.items()):
+        if len(points) < 2:
+            continue
+        (n0, t0), (n1, t1) = [(n, sum(t) / len(t)) for n, t in sorted(points.items())][:2]
+        per_token = max(0.0, (t1 - t0) / (n1 - n0))
+        lines.append({"batch": b, "base_ms": t0 - per_token * n0, "per_token_ms": per_token})
     return {"rows": [{"batch": b, "ours": {"decode_step_ms": sum(t) / len(t)}} for b, t in sorted(times.items())],
-            "_file": "replica_steps (the serving run's own)"}
+            "mixed": lines, "_file": "replica_steps (the serving run's own)"}
 
 
 def cpu_costs(engine: dict[str, Any]) -> CpuCosts:
     rows = sorted(engine["rows"], key=lambda r: r["batch"])
+    mixed = engine.get("mixed") or []
     return CpuCosts(step_batches=tuple(float(r["batch"]) for r in rows),
                     step_seconds=tuple(r["ours"]["decode_step_ms"] / 1e3 for r in rows),
+                    mixed_batches=tuple(float(m["batch"]) for m in mixed),
+                    mixed_base_s=tuple(m["base_ms"] / 1e3 for m in mixed),
+                    mixed_token_s=tuple(m["per_token_ms"] / 1e3 for m in mixed),
                     host_overlaps_gpu=False, kv_tokens=1e9, max_batched_tokens=2048, max_num_seqs=64,
                     ttft_fixed_s=0.0, first_token_steps=0.0, prefill_overhead_s=0.0,
                     sources={"engine": engine["_file"]})
@@ -315,7 +359,8 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
         [r["itl_s"] for r in local.get("requests", []) if isinstance(r.get("itl_s"), list)] or [np.zeros(0)]))
     base = dataclasses.replace(cpu_costs(engine), textless_token_share=share, gap_spread_bins=spread_bins,
                                gap_spread_weights=spread_weights)
-    costs = fit_constants(base, CPU_FITS, args,
+    fits = CPU_FITS_MIXED if base.mixed_batches else CPU_FITS
+    costs = fit_constants(base, fits, args,
                           lambda key: measured(rows[key]), lambda c, key: simulate_cpu(c, rows[key], key[0], args.seeds))
     out_rows: dict[str, Any] = {}
     predicted: list[float] = []
@@ -323,7 +368,7 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
         sim = simulate_cpu(costs, row, mode, args.seeds)
         meas = measured(row)
         residual = {k: (sim[k] - meas[k]) / meas[k] if meas[k] else None for k in METRICS}
-        fitted_on = sorted({m for _, _, _, key, m in CPU_FITS if key == (mode, phase)})
+        fitted_on = sorted({m for _, _, _, key, m in fits if key == (mode, phase)})
         for k in METRICS:
             if k not in fitted_on and residual[k] is not None and k != "goodput_fraction":
                 predicted.append(abs(residual[k]))
@@ -331,7 +376,7 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
         out_rows[name] = {"fitted_on_this_row": fitted_on or None, "simulated": sim, "measured": meas,
                           "residual": residual}
         print(name, {k: None if v is None else round(v, 3) for k, v in residual.items()})
-    fitted = {attr: getattr(costs, attr) for attr, *_ in CPU_FITS}
+    fitted = {attr: getattr(costs, attr) for attr, *_ in fits}
     fitted["textless_token_share"] = costs.textless_token_share
     fitted["gap_spread_source"] = "runs.local.load" if spread_bins else None
     return {"benchmark": "simulator-validation-cpu", "environment": environment(), "serve_file": os.path.basename(path),

@@ -366,19 +366,37 @@ def test_the_serving_runs_own_step_table_prices_the_cpu_validation(tmp_path):
     import torch
 
     from bench import serve_compare, simulate_validation
-    args = argparse.Namespace(model="smollm2", num_requests=4, concurrency=2, input_len=24, output_len=4,
+    args = argparse.Namespace(model="smollm2", num_requests=12, concurrency=2, input_len=200, output_len=4,
                               ttft_target_s=2.0, itl_target_s=0.25, seed=0)
     threads = torch.get_num_threads()
     steps = serve_compare.replica_steps(args, new_tokens=6)
     assert torch.get_num_threads() == threads
     assert steps["threads"] == 1 and [r["batch"] for r in steps["rows"]] == [1, 2]
     assert all(0 < r["decode_step_ms"] < 5000 for r in steps["rows"])
+    # the mixed steps: every batch from 0 (a prompt alone) at both caps, each chunk at its cap
+    assert [(r["chunk_cap"], r["batch"]) for r in steps["mixed"]] == [(16, 0), (16, 1), (16, 2),
+                                                                       (64, 0), (64, 1), (64, 2)]
+    assert all(r["prompt_tokens"] == r["chunk_cap"] and 0 < r["step_ms"] < 5000 for r in steps["mixed"])
 
-    after = {"threads": 1, "rows": [{"batch": 1, "decode_step_ms": 30.0}, {"batch": 2, "decode_step_ms": 50.0}]}
-    before = {"threads": 1, "rows": [{"batch": 1, "decode_step_ms": 10.0}, {"batch": 2, "decode_step_ms": 30.0}]}
+    # a mixed step: 40 ms + 1 ms a prompt token alone, 50 ms + 2 ms a token beside two decoders
+    mixed = [{"batch": 0, "chunk_cap": 16, "prompt_tokens": 16, "step_ms": 56.0},
+             {"batch": 0, "chunk_cap": 64, "prompt_tokens": 64, "step_ms": 104.0},
+             {"batch": 2, "chunk_cap": 16, "prompt_tokens": 16, "step_ms": 82.0},
+             {"batch": 2, "chunk_cap": 64, "prompt_tokens": 64, "step_ms": 178.0}]
+    after = {"threads": 1, "rows": [{"batch": 1, "decode_step_ms": 30.0}, {"batch": 2, "decode_step_ms": 50.0}],
+             "mixed": mixed}
+    before = {"threads": 1, "rows": [{"batch": 1, "decode_step_ms": 10.0}, {"batch": 2, "decode_step_ms": 30.0}],
+              "mixed": mixed}
     table = simulate_validation.replica_step_table({"replica_steps": {"before": before, "after": after}})
     assert table is not None
     costs = simulate_validation.cpu_costs(table)
     assert costs.step_batches == (1.0, 2.0) and costs.step_seconds == (0.02, 0.04)
     assert "serving run" in costs.sources["engine"]
+    assert np.allclose(costs.mixed_base_s, (0.04, 0.05)) and np.allclose(costs.mixed_token_s, (0.001, 0.002))
+    # a chunk step is priced from the mixed line (not the decode step plus the prefill rate), and
+    # the chunk that fits a step target leaves room for the host's time and the line's fixed cost
+    assert np.isclose(costs.chunk_step_compute(1.0, 0.02, 10.0, 200.0), 0.045 + 0.0015 * 10)
+    assert np.isclose(costs.chunk_tokens(0.1, 2.0, 0.04, 0.01, 200.0), (0.1 - 0.01 - 0.05) / 0.002)
+    plain = simulate_validation.cpu_costs({"rows": table["rows"], "_file": "engine"})
+    assert np.isclose(plain.chunk_step_compute(1.0, 0.02, 10.0, 200.0), 0.02 + 10 * plain.prefill_token_s)
     assert simulate_validation.replica_step_table({"runs": {}}) is None
