@@ -73,6 +73,20 @@ def decode_step_ms(llm: LLM, prompts: list[str] | list[str | list[int]], params:
     return 1000 * median(steps[1:-1] or steps)
 
 
+def prefill_step_ms(llm: LLM, prompt: str | list[int], tag: str) -> tuple[float, int]:
+    """The step that computes ``prompt`` whole, alone (the engine's first step for it), and the
+    prompt's tokens."""
+    engine = llm.engine
+    engine.add_request(tag, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    tokens = len(engine.groups[tag].prompt_token_ids)
+    start = time.perf_counter()
+    engine.step()
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return 1000 * elapsed, tokens
+
+
 def mixed_step_ms(llm: LLM, decoding: list[str] | list[str | list[int]], prompt: str | list[int],
                   params: SamplingParams, tag: str) -> tuple[float, float]:
     """A step that carries a prompt's chunk beside ``len(decoding)`` decoding requests: the median

@@ -178,6 +178,8 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
 
 #: the prompt chunk caps the mixed steps are timed at (``replica_steps``)
 MIXED_CHUNK_CAPS = (16, 64)
+#: how many of the workload's prompts the prefill steps are timed on
+PREFILL_PROMPTS = 6
 
 
 def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 32) -> dict[str, Any]:
@@ -188,7 +190,7 @@ def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 
     saw; the load run's own prompts, so the contexts are theirs."""
     import torch
 
-    from bench.engine import decode_step_ms, mixed_step_ms
+    from bench.engine import decode_step_ms, mixed_step_ms, prefill_step_ms
     from cluster import LLM, SamplingParams
     config = BenchConfig(base_url="", model=args.model, num_requests=args.num_requests,
                          concurrency=args.concurrency, **_workload(args))
@@ -209,21 +211,31 @@ def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 
         # batch's fixed cost and cost per prompt token. The chunked prompts are ones no earlier
         # request used (no prefix-cache hits).
         mixed = []
-        spare = iter(reversed(prompts[args.concurrency:]))
+        spare = iter(reversed(range(args.concurrency, len(prompts))))  # prompts no step above used
         for cap in MIXED_CHUNK_CAPS:
             llm = LLM(args.model, max_num_seqs=args.concurrency + 1, long_prefill_token_threshold=cap)
             llm.generate(prompts[:1], params.replace(max_tokens=4))
             longest = max(n for _, n, _ in built)
             decode_params = params.replace(max_tokens=-(-longest // cap) + 8)
             for b in [0, *batches]:
-                step_ms, tokens = mixed_step_ms(llm, prompts[:b], next(spare), decode_params, f"mixed-{cap}-{b}")
+                step_ms, tokens = mixed_step_ms(llm, prompts[:b], prompts[next(spare)], decode_params,
+                                                f"mixed-{cap}-{b}")
                 mixed.append({"batch": b, "chunk_cap": cap, "step_ms": step_ms, "prompt_tokens": tokens})
             del llm
+        # a prefill replica's steps: a prompt whole, alone, at the workload's lengths
+        llm = LLM(args.model, max_num_seqs=args.concurrency)
+        llm.generate(prompts[:1], params.replace(max_tokens=4))
+        prefill = []
+        for i in list(spare)[:PREFILL_PROMPTS]:
+            step_ms, tokens = prefill_step_ms(llm, prompts[i], f"prefill-{i}")
+            prefill.append({"prompt_tokens": tokens, "step_ms": step_ms})
+        del llm
     finally:
         torch.set_num_threads(was)
     print("replica steps (ms):", {r["batch"]: round(r["decode_step_ms"], 1) for r in rows},
-          "with a prompt chunk:", {(r["batch"], r["prompt_tokens"]): round(r["step_ms"], 1) for r in mixed})
-    return {"threads": threads, "new_tokens": new_tokens, "rows": rows, "mixed": mixed}
+          "with a prompt chunk:", {(r["batch"], r["prompt_tokens"]): round(r["step_ms"], 1) for r in mixed},
+          "a prompt alone:", {r["prompt_tokens"]: round(r["step_ms"], 1) for r in prefill})
+    return {"threads": threads, "new_tokens": new_tokens, "rows": rows, "mixed": mixed, "prefill": prefill}
 
 
 def main() -> None:

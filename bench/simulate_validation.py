@@ -211,6 +211,9 @@ class CpuCosts(Costs):
     mixed_batches: tuple[float, ...] = ()
     mixed_base_s: tuple[float, ...] = ()
     mixed_token_s: tuple[float, ...] = ()
+    #: the prefill and decode replicas compute on cores of their own (their threads fit the
+    #: machine's cores, as Ray's one-thread replicas on two cores do): no time slicing between them
+    own_cores: bool = False
 
     def decode_parts(self, batch: np.ndarray, context_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         compute = np.interp(np.log2(np.maximum(batch, 1.0)), np.log2(self.step_batches), self.step_seconds)
@@ -252,10 +255,10 @@ CPU_FITS = (("step_overhead_s", 1e-4, 0.2, ("colocated", "probe"), "itl_p50"),
             ("prefill_token_s", 1e-5, 2e-2, ("colocated", "probe"), "ttft_p90"),
             ("transfer_fixed_s", 1e-4, 2.0, ("disagg", "probe"), "ttft_p50"))
 #: The same, where the serving run measured its mixed steps (``CpuCosts.mixed_batches``): they
-#: price the colocated replica's prompt chunks, so the prefill time per token (now the prefill
-#: replica's only) comes from the disaggregated TTFT p90 at concurrency 1.
-CPU_FITS_MIXED = tuple(fit if fit[0] != "prefill_token_s" else
-                       ("prefill_token_s", 1e-5, 2e-2, ("disagg", "probe"), "ttft_p90") for fit in CPU_FITS)
+#: price the colocated replica's prompt chunks, and their line at batch 0 (a prompt alone) the
+#: prefill replica's steps (a fixed cost a step and a cost a token), so nothing prices prefill
+#: from a fit.
+CPU_FITS_MIXED = tuple(fit for fit in CPU_FITS if fit[0] != "prefill_token_s")
 #: The served colocated replica's prompt-chunk step target: it is a decode replica prefilling
 #: locally, whose ChunkSizer aims at local_prefill_itl_share of the app's target_itl_s.
 SERVED_CHUNK_STEP_S = TransferConfig().local_prefill_itl_share * ClusterConfig().target_itl_s
@@ -288,20 +291,37 @@ def replica_step_table(serve: dict[str, Any]) -> dict[str, Any] | None:
         (n0, t0), (n1, t1) = [(n, sum(t) / len(t)) for n, t in sorted(points.items())][:2]
         per_token = max(0.0, (t1 - t0) / (n1 - n0))
         lines.append({"batch": b, "base_ms": t0 - per_token * n0, "per_token_ms": per_token})
+    # a prefill replica's step (a prompt whole): a least-squares line through the timed prompts
+    whole = [(float(r["prompt_tokens"]), float(r["step_ms"])) for when in ("before", "after")
+              for r in (steps.get(when) or {}).get("prefill", [])]
+    prefill = None
+    if len({n for n, _ in whole}) >= 2:
+        slope, intercept = np.polyfit([n for n, _ in whole], [t for _, t in whole], 1)
+        prefill = {"base_ms": float(max(0.0, intercept)), "per_token_ms": float(max(0.0, slope)),
+                   "points": len(whole)}
     return {"rows": [{"batch": b, "ours": {"decode_step_ms": sum(t) / len(t)}} for b, t in sorted(times.items())],
-            "mixed": lines, "_file": "replica_steps (the serving run's own)"}
+            "mixed": lines, "prefill": prefill, "threads": int((steps.get("before") or steps.get("after") or {}).get("threads", 0)),
+            "_file": "replica_steps (the serving run's own)"}
 
 
-def cpu_costs(engine: dict[str, Any]) -> CpuCosts:
+def cpu_costs(engine: dict[str, Any], cores: int = 0) -> CpuCosts:
+    """Costs from an engine step table; ``cores``: the serving machine's, which two replicas of
+    the table's thread count (where it says) may fit without time slicing."""
     rows = sorted(engine["rows"], key=lambda r: r["batch"])
     mixed = engine.get("mixed") or []
-    return CpuCosts(step_batches=tuple(float(r["batch"]) for r in rows),
+    # a prefill replica's step: the timed whole prompts' line, else the mixed line at batch 0
+    alone = [engine["prefill"]] if engine.get("prefill") else [m for m in mixed if m["batch"] == 0]
+    prefill = (dict(prefill_overhead_s=alone[0]["base_ms"] / 1e3, prefill_token_s=alone[0]["per_token_ms"] / 1e3)
+               if alone else dict(prefill_overhead_s=0.0))
+    return CpuCosts(**prefill,  # type: ignore[arg-type]
+                    step_batches=tuple(float(r["batch"]) for r in rows),
                     step_seconds=tuple(r["ours"]["decode_step_ms"] / 1e3 for r in rows),
                     mixed_batches=tuple(float(m["batch"]) for m in mixed),
                     mixed_base_s=tuple(m["base_ms"] / 1e3 for m in mixed),
                     mixed_token_s=tuple(m["per_token_ms"] / 1e3 for m in mixed),
                     host_overlaps_gpu=False, kv_tokens=1e9, max_batched_tokens=2048, max_num_seqs=64,
-                    ttft_fixed_s=0.0, first_token_steps=0.0, prefill_overhead_s=0.0,
+                    ttft_fixed_s=0.0, first_token_steps=0.0,
+                    own_cores=0 < 2 * int(engine.get("threads") or 0) <= cores,
                     sources={"engine": engine["_file"]})
 
 
@@ -331,7 +351,8 @@ def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int) -> di
     for requests in workloads:
         sim = Simulation(costs, requests, prefill=1, decode=1, colocated=mode == "colocated", dt=0.002,
                          ttft_target=cfg["ttft_target_s"], itl_target=cfg["itl_target_s"],
-                         shared_gpu=mode == "disagg", gpus=1, concurrency=int(cfg["concurrency"]),
+                         shared_gpu=mode == "disagg" and not getattr(costs, "own_cores", False), gpus=1,
+                         concurrency=int(cfg["concurrency"]),
                          chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None, prefill_steps=True)
         outs.append(sim.run())
     return {k: float(np.median([o[k] for o in outs])) for k in METRICS}
@@ -357,7 +378,8 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
     local = serve["runs"].get("local", {}).get("load", {})
     spread_bins, spread_weights = gap_spread(np.concatenate(
         [r["itl_s"] for r in local.get("requests", []) if isinstance(r.get("itl_s"), list)] or [np.zeros(0)]))
-    base = dataclasses.replace(cpu_costs(engine), textless_token_share=share, gap_spread_bins=spread_bins,
+    base = dataclasses.replace(cpu_costs(engine, int(serve["environment"].get("cpu_count") or 0)),
+                               textless_token_share=share, gap_spread_bins=spread_bins,
                                gap_spread_weights=spread_weights)
     fits = CPU_FITS_MIXED if base.mixed_batches else CPU_FITS
     costs = fit_constants(base, fits, args,

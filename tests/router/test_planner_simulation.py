@@ -377,6 +377,8 @@ def test_the_serving_runs_own_step_table_prices_the_cpu_validation(tmp_path):
     assert [(r["chunk_cap"], r["batch"]) for r in steps["mixed"]] == [(16, 0), (16, 1), (16, 2),
                                                                        (64, 0), (64, 1), (64, 2)]
     assert all(r["prompt_tokens"] == r["chunk_cap"] and 0 < r["step_ms"] < 5000 for r in steps["mixed"])
+    # a prompt alone, whole: the spare prompts left after the mixed steps', at their token counts
+    assert 2 <= len(steps["prefill"]) <= serve_compare.PREFILL_PROMPTS and all(r["prompt_tokens"] > 64 and r["step_ms"] > 0 for r in steps["prefill"])
 
     # a mixed step: 40 ms + 1 ms a prompt token alone, 50 ms + 2 ms a token beside two decoders
     mixed = [{"batch": 0, "chunk_cap": 16, "prompt_tokens": 16, "step_ms": 56.0},
@@ -384,7 +386,8 @@ def test_the_serving_runs_own_step_table_prices_the_cpu_validation(tmp_path):
              {"batch": 2, "chunk_cap": 16, "prompt_tokens": 16, "step_ms": 82.0},
              {"batch": 2, "chunk_cap": 64, "prompt_tokens": 64, "step_ms": 178.0}]
     after = {"threads": 1, "rows": [{"batch": 1, "decode_step_ms": 30.0}, {"batch": 2, "decode_step_ms": 50.0}],
-             "mixed": mixed}
+             "mixed": mixed, "prefill": [{"prompt_tokens": 100, "step_ms": 130.0},
+                                         {"prompt_tokens": 300, "step_ms": 330.0}]}
     before = {"threads": 1, "rows": [{"batch": 1, "decode_step_ms": 10.0}, {"batch": 2, "decode_step_ms": 30.0}],
               "mixed": mixed}
     table = simulate_validation.replica_step_table({"replica_steps": {"before": before, "after": after}})
@@ -393,6 +396,10 @@ def test_the_serving_runs_own_step_table_prices_the_cpu_validation(tmp_path):
     assert costs.step_batches == (1.0, 2.0) and costs.step_seconds == (0.02, 0.04)
     assert "serving run" in costs.sources["engine"]
     assert np.allclose(costs.mixed_base_s, (0.04, 0.05)) and np.allclose(costs.mixed_token_s, (0.001, 0.002))
+    # the prefill replica's steps: 30 ms + 1 ms a token, from the whole prompts' line
+    assert np.isclose(costs.prefill_overhead_s, 0.03) and np.isclose(costs.prefill_token_s, 0.001)
+    # with two replicas of one thread on two cores, no time slicing between them
+    assert not costs.own_cores and simulate_validation.cpu_costs(table, cores=2).own_cores
     # a chunk step is priced from the mixed line (not the decode step plus the prefill rate), and
     # the chunk that fits a step target leaves room for the host's time and the line's fixed cost
     assert np.isclose(costs.chunk_step_compute(1.0, 0.02, 10.0, 200.0), 0.045 + 0.0015 * 10)
