@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -57,7 +58,7 @@ def bench_ours(llm: LLM, batch: int, new_tokens: int, repeats: int) -> dict[str,
             "decode_step_ms": decode_step_ms(llm, prompts, params, f"lat-{batch}")}
 
 
-def decode_step_ms(llm: LLM, prompts: list[str] | list[str | list[int]], params: SamplingParams, tag: str) -> float:
+def decode_step_ms(llm: LLM, prompts: Sequence[str | list[int]], params: SamplingParams, tag: str) -> float:
     """Per-token decode latency: the median of the engine's steps once every request is past its
     prefill (the first and last such step left out), all ``prompts`` in one batch."""
     engine = llm.engine
@@ -87,7 +88,7 @@ def prefill_step_ms(llm: LLM, prompt: str | list[int], tag: str) -> tuple[float,
     return 1000 * elapsed, tokens
 
 
-def mixed_step_ms(llm: LLM, decoding: list[str] | list[str | list[int]], prompt: str | list[int],
+def mixed_step_ms(llm: LLM, decoding: Sequence[str | list[int]], prompt: str | list[int],
                   params: SamplingParams, tag: str) -> tuple[float, float]:
     """A step that carries a prompt's chunk beside ``len(decoding)`` decoding requests: the median
     time of such steps and of their prompt tokens (the chunk is the LLM's cap), timed once every
@@ -117,8 +118,8 @@ def mixed_step_ms(llm: LLM, decoding: list[str] | list[str | list[int]], prompt:
     if not steps:
         raise RuntimeError(f"{tag}: the decoding requests ended before the prompt's first chunk")
     # the steps whose chunk the cap bounded (the prompt's last chunk is its remainder), where any were
-    full = [i for i, n in enumerate(tokens) if n == max(tokens)]
-    return 1000 * median([steps[i] for i in full]), float(max(tokens))
+    bounded = [i for i, n in enumerate(tokens) if n == max(tokens)]
+    return 1000 * median([steps[i] for i in bounded]), float(max(tokens))
 
 
 def bench_hf(model, tokenizer, batch: int, new_tokens: int, repeats: int) -> dict[str, float]:

@@ -10,8 +10,9 @@ Each runs a latency probe (one request at a time: TTFT with no queueing) and a l
 (``--concurrency`` requests in flight). TTFT added by Ray = colocated - local (probe medians);
 TTFT added by disaggregation = disagg - colocated (probe medians); plus throughput and goodput,
 and each deployment's load-run output tok/s over the offline engine's (what serving costs).
-Before and after the deployments it times the engine's decode steps by batch at the served
-replica's one thread (``replica_steps``): the simulator's validation prices its steps from them.
+Before and after the deployments it times the engine's steps at the served replica's one thread
+(``replica_steps``: decode-only by batch, a prompt chunk beside decoding requests, a prompt whole
+alone): the simulator's validation prices its steps from them.
 
     python bench/serve_compare.py --out bench/results/serve-cpu-<date>.json
 """
@@ -183,9 +184,11 @@ PREFILL_PROMPTS = 6
 
 
 def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 32) -> dict[str, Any]:
-    """The engine's decode step time by batch (1, 2, 4 ... ``--concurrency``) at the served
-    replica's thread count: Ray starts a ``num_cpus=0`` replica with ``OMP_NUM_THREADS=1``, so it
-    computes on one core. Measured here, in the same run as the deployments, the simulator's
+    """The engine's step times at the served replica's thread count (Ray starts a ``num_cpus=0``
+    replica with ``OMP_NUM_THREADS=1``, so it computes on one core): decode-only steps by batch
+    (1, 2, 4 ... ``--concurrency``), steps carrying a prompt chunk beside 0 .. ``--concurrency``
+    decoding requests at each of ``MIXED_CHUNK_CAPS``, and ``PREFILL_PROMPTS`` prompts whole, alone.
+    Measured here, in the same run as the deployments, the simulator's
     validation (``bench/simulate_validation.py --cpu``) prices steps on the machine the served runs
     saw; the load run's own prompts, so the contexts are theirs."""
     import torch
@@ -198,11 +201,17 @@ def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 
     prompts = [p for p, _, _ in built]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.concurrency] + [args.concurrency]
+    longest = max(n for _, n, _ in built)
+
+    def warm_llm(**settings: Any) -> Any:
+        llm = LLM(args.model, **settings)
+        llm.generate(prompts[:1], params.replace(max_tokens=4))  # warm-up
+        return llm
+
     was = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        llm = LLM(args.model, max_num_seqs=args.concurrency)
-        llm.generate(prompts[:1], params.replace(max_tokens=4))  # warm-up
+        llm = warm_llm(max_num_seqs=args.concurrency)
         rows = [{"batch": b, "decode_step_ms": decode_step_ms(llm, prompts[:b], params, f"steps-{b}")}
                 for b in batches]
         del llm
@@ -213,9 +222,7 @@ def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 
         mixed = []
         spare = iter(reversed(range(args.concurrency, len(prompts))))  # prompts no step above used
         for cap in MIXED_CHUNK_CAPS:
-            llm = LLM(args.model, max_num_seqs=args.concurrency + 1, long_prefill_token_threshold=cap)
-            llm.generate(prompts[:1], params.replace(max_tokens=4))
-            longest = max(n for _, n, _ in built)
+            llm = warm_llm(max_num_seqs=args.concurrency + 1, long_prefill_token_threshold=cap)
             decode_params = params.replace(max_tokens=-(-longest // cap) + 8)
             for b in [0, *batches]:
                 step_ms, tokens = mixed_step_ms(llm, prompts[:b], prompts[next(spare)], decode_params,
@@ -223,8 +230,7 @@ def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 
                 mixed.append({"batch": b, "chunk_cap": cap, "step_ms": step_ms, "prompt_tokens": tokens})
             del llm
         # a prefill replica's steps: a prompt whole, alone, at the workload's lengths
-        llm = LLM(args.model, max_num_seqs=args.concurrency)
-        llm.generate(prompts[:1], params.replace(max_tokens=4))
+        llm = warm_llm(max_num_seqs=args.concurrency)
         prefill = []
         for i in list(spare)[:PREFILL_PROMPTS]:
             step_ms, tokens = prefill_step_ms(llm, prompts[i], f"prefill-{i}")

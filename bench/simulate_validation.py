@@ -200,8 +200,9 @@ class CpuCosts(Costs):
     by batch (``engine-cpu-*.json``, log-linear between its batches 1, 8 and 32; the KV term is
     negligible at this model's size and these contexts), plus the serving host's time per step
     (fixed and per running sequence), which does not overlap the compute: host and model share the
-    same two cores. Prefill at a fitted time per prompt token; the disaggregated hand-over at a
-    fitted fixed time."""
+    same two cores. Prefill at a fitted time per prompt token, or, where the serving run timed its
+    replica's steps, at their measured lines (``mixed_*``, ``prefill_*``); the disaggregated
+    hand-over at a fitted fixed time."""
     step_batches: tuple[float, ...] = (1.0,)
     step_seconds: tuple[float, ...] = (0.02,)
     prefill_token_s: float = 2e-3
@@ -255,9 +256,9 @@ CPU_FITS = (("step_overhead_s", 1e-4, 0.2, ("colocated", "probe"), "itl_p50"),
             ("prefill_token_s", 1e-5, 2e-2, ("colocated", "probe"), "ttft_p90"),
             ("transfer_fixed_s", 1e-4, 2.0, ("disagg", "probe"), "ttft_p50"))
 #: The same, where the serving run measured its mixed steps (``CpuCosts.mixed_batches``): they
-#: price the colocated replica's prompt chunks, and their line at batch 0 (a prompt alone) the
-#: prefill replica's steps (a fixed cost a step and a cost a token), so nothing prices prefill
-#: from a fit.
+#: price the colocated replica's prompt chunks, and its whole prompts' line (else the mixed line
+#: at batch 0) the prefill replica's steps (a fixed cost a step and a cost a token), so nothing
+#: prices prefill from a fit.
 CPU_FITS_MIXED = tuple(fit for fit in CPU_FITS if fit[0] != "prefill_token_s")
 #: The served colocated replica's prompt-chunk step target: it is a decode replica prefilling
 #: locally, whose ChunkSizer aims at local_prefill_itl_share of the app's target_itl_s.
@@ -274,16 +275,15 @@ def replica_step_table(serve: dict[str, Any]) -> dict[str, Any] | None:
     steps = serve.get("replica_steps")
     if not steps:
         return None
+    runs = [steps[when] for when in ("before", "after") if steps.get(when)]
     times: dict[int, list[float]] = {}
-    for when in ("before", "after"):
-        for row in (steps.get(when) or {}).get("rows", []):
-            times.setdefault(int(row["batch"]), []).append(float(row["decode_step_ms"]))
+    for row in (row for run in runs for row in run.get("rows", [])):
+        times.setdefault(int(row["batch"]), []).append(float(row["decode_step_ms"]))
     # the mixed steps: each batch's line through its two chunk caps' (tokens, ms), before and after
     mixed: dict[int, dict[float, list[float]]] = {}
-    for when in ("before", "after"):
-        for row in (steps.get(when) or {}).get("mixed", []):
-            mixed.setdefault(int(row["batch"]), {}).setdefault(float(row["prompt_tokens"]), []).append(
-                float(row["step_ms"]))
+    for row in (row for run in runs for row in run.get("mixed", [])):
+        mixed.setdefault(int(row["batch"]), {}).setdefault(float(row["prompt_tokens"]), []).append(
+            float(row["step_ms"]))
     lines = []
     for b, points in sorted(mixed.items()):
         if len(points) < 2:
@@ -292,15 +292,14 @@ def replica_step_table(serve: dict[str, Any]) -> dict[str, Any] | None:
         per_token = max(0.0, (t1 - t0) / (n1 - n0))
         lines.append({"batch": b, "base_ms": t0 - per_token * n0, "per_token_ms": per_token})
     # a prefill replica's step (a prompt whole): a least-squares line through the timed prompts
-    whole = [(float(r["prompt_tokens"]), float(r["step_ms"])) for when in ("before", "after")
-              for r in (steps.get(when) or {}).get("prefill", [])]
+    whole = [(float(r["prompt_tokens"]), float(r["step_ms"])) for run in runs for r in run.get("prefill", [])]
     prefill = None
     if len({n for n, _ in whole}) >= 2:
         slope, intercept = np.polyfit([n for n, _ in whole], [t for _, t in whole], 1)
         prefill = {"base_ms": float(max(0.0, intercept)), "per_token_ms": float(max(0.0, slope)),
                    "points": len(whole)}
     return {"rows": [{"batch": b, "ours": {"decode_step_ms": sum(t) / len(t)}} for b, t in sorted(times.items())],
-            "mixed": lines, "prefill": prefill, "threads": int((steps.get("before") or steps.get("after") or {}).get("threads", 0)),
+            "mixed": lines, "prefill": prefill, "threads": int(runs[0].get("threads", 0)) if runs else 0,
             "_file": "replica_steps (the serving run's own)"}
 
 
