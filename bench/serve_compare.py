@@ -12,7 +12,9 @@ TTFT added by disaggregation = disagg - colocated (probe medians); plus throughp
 and each deployment's load-run output tok/s over the offline engine's (what serving costs).
 Before and after the deployments it times the engine's steps at the served replica's one thread
 (``replica_steps``: decode-only by batch, a prompt chunk beside decoding requests, a prompt whole
-alone): the simulator's validation prices its steps from them.
+alone): the simulator's validation prices its steps from them. During each run it samples what
+the server says of itself (``server_metrics``: the decode replica's learned prompt-chunk cap and
+its queue over time, the TTFT breakdown's increase), which the validation checks its model against.
 
     python bench/serve_compare.py --out bench/results/serve-cpu-<date>.json
 """
@@ -25,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -125,6 +128,61 @@ def with_cpu(root_pid: int, run: Callable[[], dict[str, Any]]) -> dict[str, Any]
     return result
 
 
+#: Gauges sampled over a run (the replicas report every 0.5 s), by role.
+SAMPLED_GAUGES = ("cluster:prefill_chunk_cap", "cluster:num_requests_running", "cluster:num_requests_waiting")
+
+
+def scrape(url: str) -> dict[str, dict[str, float]]:
+    """The server's /metrics: each sample's value by name and then by its ``role`` label ("" if it
+    has none; values of one name and role summed over replicas). Empty if it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except Exception:  # noqa: BLE001 - a missed scrape is a gap in the series, not a failed run
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            role = sample.labels.get("role", "")
+            by_role = out.setdefault(sample.name, {})
+            by_role[role] = by_role.get(role, 0.0) + sample.value
+    return out
+
+
+def with_metrics(url: str, run: Callable[[], dict[str, Any]], period_s: float = 0.5) -> dict[str, Any]:
+    """``run()``'s result with what the server said of itself during it (``server_metrics``): the
+    sampled gauges over time (the decode replica's learned prompt-chunk cap among them) and the
+    TTFT breakdown's increase (``cluster:ttft_*_seconds`` and the queue time: sum and count), so
+    a validation can check its model of the replicas against theirs, not only the client's view."""
+    series: dict[str, list[list[float]]] = {}
+    stop = threading.Event()
+    began = time.perf_counter()
+
+    def sample() -> None:
+        while not stop.wait(period_s):
+            now = round(time.perf_counter() - began, 3)
+            for name, by_role in scrape(url).items():
+                if name in SAMPLED_GAUGES:
+                    for role, value in by_role.items():
+                        series.setdefault(f"{name}{{{role}}}" if role else name, []).append([now, value])
+
+    before = scrape(url)
+    sampler = threading.Thread(target=sample, name="metrics-sampler", daemon=True)
+    sampler.start()
+    try:
+        result = run()
+    finally:
+        stop.set()
+        sampler.join(timeout=10)
+    after = scrape(url)
+    increase = {name: sum(after[name].values()) - sum(before.get(name, {}).values())
+                for name in after if name.startswith(("cluster:ttft_", "cluster:request_queue_time"))
+                and name.endswith(("_sum", "_count"))}
+    result["server_metrics"] = {"period_s": period_s, "series": series, "increase": increase,
+                                "note": "series: [seconds since the run began, value]; increase: over the run"}
+    return result
+
+
 def _workload(args: argparse.Namespace) -> dict[str, Any]:
     """The workload fields every run shares: the same seed gives the same prompts and output lengths."""
     return dict(input_len=args.input_len, output_len=args.output_len, input_len_range=0.5,
@@ -143,10 +201,11 @@ def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         startup = {"healthy_s": healthy_s, "first_token_s": time.perf_counter() - began}
         print(f"{kind}: /health after {healthy_s:.1f}s, first completion after {startup['first_token_s']:.1f}s")
         common = dict(base_url=url, model=model, **_workload(args))
-        probe = with_cpu(proc.pid, lambda: run_benchmark(
-            BenchConfig(**common, num_requests=args.probe_requests, concurrency=1, label=f"{kind}-probe")))
-        load = with_cpu(proc.pid, lambda: run_benchmark(
-            BenchConfig(**common, num_requests=args.num_requests, concurrency=args.concurrency, label=f"{kind}-load")))
+        probe = with_metrics(url, lambda: with_cpu(proc.pid, lambda: run_benchmark(
+            BenchConfig(**common, num_requests=args.probe_requests, concurrency=1, label=f"{kind}-probe"))))
+        load = with_metrics(url, lambda: with_cpu(proc.pid, lambda: run_benchmark(
+            BenchConfig(**common, num_requests=args.num_requests, concurrency=args.concurrency,
+                        label=f"{kind}-load"))))
         probe.pop("requests", None)  # the load runs keep theirs, for the plot
         print(f"{kind}: probe TTFT p50 {probe['ttft_s']['p50']:.3f}s, load {load['output_token_throughput_tps']:.1f} tok/s")
         return {"startup": startup, "probe": probe, "load": load}

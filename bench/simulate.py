@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import environment, write_result  # noqa: E402
 from cluster.common.reporting import arrival_rate_cv2  # noqa: E402
 from cluster.config import TransferConfig  # noqa: E402
+from cluster.engine.scheduler import ChunkSizer  # noqa: E402
 from cluster.router.planner import Demand, Observation, PlannerSettings, PlannerState, RoleLoad, plan  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -250,6 +251,10 @@ class Replica:
     step_left: float = 0.0
     step_done: list = dataclasses.field(default_factory=list)
     overhead_left: float = -1.0  # of the step's fixed overhead, once its tokens are done (-1: not yet)
+    #: The served engine's own ChunkSizer (``Simulation.chunk_sizer``), and the steps run since
+    #: its last observation (a tick may hold part of a step or several).
+    sizer: ChunkSizer | None = None
+    sizer_steps: float = 0.0
 
 
 def gap_spread(gaps: np.ndarray) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -295,8 +300,12 @@ class Simulation:
                  prefill_max_ongoing: int = 512, graceful_shutdown_s: float = 20.0,
                  local_prefill_wait: float | None = None, local_chunk_itl: float | None = None,
                  concurrency: int | None = None, max_time: float = 3600.0,
-                 chunk_step_s: float | None = None, prefill_steps: bool = False) -> None:
+                 chunk_step_s: float | None = None, prefill_steps: bool = False, chunk_sizer: bool = False) -> None:
         self.c, self.r, self.dt = costs, requests, dt
+        #: Colocated replicas cut their prompt chunks with the engine's own ``ChunkSizer`` (starts
+        #: at 256 tokens a step, learns only from steps beside decoding requests, grows at most 2x
+        #: a step) aiming at ``chunk_step_s``, instead of the tokens that fill it exactly.
+        self.chunk_sizer = chunk_sizer
         #: A prefill replica runs steps of up to the token budget packed from its queue in order,
         #: as the engine schedules them (chunked prefill), and a prompt's first token leaves when
         #: the step holding its last chunk ends; the step's overhead is paid once. False: one
@@ -572,8 +581,13 @@ class Simulation:
                     room = self.local_chunk_itl * self.itl_target - gpu[i] * (batch[i] > 0)
                     chunk = min(chunk, max(64.0, room / self.c.prefill_seconds(1.0, head)))
                 if rep.role == "colocated" and self.chunk_step_s is not None:
-                    chunk = min(chunk, max(16.0, self.c.chunk_tokens(self.chunk_step_s, batch[i], gpu[i], host[i],
-                                                                     head)))
+                    if self.chunk_sizer:  # the engine's own sizer: what it has learned so far
+                        if rep.sizer is None:
+                            rep.sizer = ChunkSizer(self.chunk_step_s, self.c.max_batched_tokens)
+                        chunk = min(chunk, float(rep.sizer.cap))
+                    else:  # the tokens that fill the target exactly
+                        chunk = min(chunk, max(16.0, self.c.chunk_tokens(self.chunk_step_s, batch[i], gpu[i],
+                                                                         host[i], head)))
                 chunk_s = self.c.prefill_seconds(chunk, head)  # the prompt's progress, in prefill seconds
                 if rep.role == "colocated":
                     compute = self.c.chunk_step_compute(batch[i], gpu[i], chunk, head)
@@ -582,6 +596,13 @@ class Simulation:
                 with_chunk = float(self.c.combine(compute, host[i]))
                 self._prefill(rep, dt / with_chunk * chunk_s, now)
                 step[i] = with_chunk
+                if rep.sizer is not None and batch[i] > 0:
+                    # it learns from the steps that carry a prompt chunk beside decoding requests,
+                    # timing the model's execution (the compute, not the serving host's part)
+                    rep.sizer_steps += dt / with_chunk
+                    while rep.sizer_steps >= 1.0:
+                        rep.sizer_steps -= 1.0
+                        rep.sizer.observe(int(round(chunk)), chunk >= rep.sizer.cap, float(compute))
         busy = batch > 0
         if busy.any():
             self.recent_itl.append((now, float(step[busy].max())))

@@ -339,7 +339,8 @@ def measured_requests(row: dict[str, Any]) -> dict[str, np.ndarray] | None:
     return out
 
 
-def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int) -> dict[str, float]:
+def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int, chunk_sizer: bool = True
+                 ) -> dict[str, float]:
     """The row's closed-loop workload (``concurrency`` clients): the run's own requests where it
     recorded them (one deterministic run), else medians over ``seeds`` draws of its lengths. The
     prefill replica runs budget-packed steps (``Simulation.prefill_steps``), as the engine does."""
@@ -352,7 +353,8 @@ def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int) -> di
                          ttft_target=cfg["ttft_target_s"], itl_target=cfg["itl_target_s"],
                          shared_gpu=mode == "disagg" and not getattr(costs, "own_cores", False), gpus=1,
                          concurrency=int(cfg["concurrency"]),
-                         chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None, prefill_steps=True)
+                         chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None, prefill_steps=True,
+                         chunk_sizer=chunk_sizer)
         outs.append(sim.run())
     return {k: float(np.median([o[k] for o in outs])) for k in METRICS}
 
@@ -382,11 +384,12 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
                                gap_spread_weights=spread_weights)
     fits = CPU_FITS_MIXED if base.mixed_batches else CPU_FITS
     costs = fit_constants(base, fits, args,
-                          lambda key: measured(rows[key]), lambda c, key: simulate_cpu(c, rows[key], key[0], args.seeds))
+                          lambda key: measured(rows[key]), lambda c, key: simulate_cpu(c, rows[key], key[0], args.seeds,
+                                                                     not args.ideal_chunks))
     out_rows: dict[str, Any] = {}
     predicted: list[float] = []
     for (mode, phase), row in rows.items():
-        sim = simulate_cpu(costs, row, mode, args.seeds)
+        sim = simulate_cpu(costs, row, mode, args.seeds, not args.ideal_chunks)
         meas = measured(row)
         residual = {k: (sim[k] - meas[k]) / meas[k] if meas[k] else None for k in METRICS}
         fitted_on = sorted({m for _, _, _, key, m in fits if key == (mode, phase)})
@@ -434,6 +437,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prefill-steps", action="store_true",
                         help="GPU runs: the prefill replica in budget-packed steps (Simulation.prefill_steps; "
                              "the CPU validation always uses them)")
+    parser.add_argument("--ideal-chunks", action="store_true",
+                        help="CPU: colocated prompt chunks that fill the step target exactly, instead of the "
+                             "engine's own ChunkSizer (Simulation.chunk_sizer)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     result = {"validation_cpu": validate_cpu(args)} if args.cpu else {"validation": validate(args)}

@@ -408,3 +408,81 @@ def test_the_serving_runs_own_step_table_prices_the_cpu_validation(tmp_path):
     plain = simulate_validation.cpu_costs({"rows": table["rows"], "_file": "engine"})
     assert np.isclose(plain.chunk_step_compute(1.0, 0.02, 10.0, 200.0), 0.02 + 10 * plain.prefill_token_s)
     assert simulate_validation.replica_step_table({"runs": {}}) is None
+
+
+def test_a_colocated_replica_can_cut_its_chunks_with_the_engines_own_chunk_sizer():
+    """``chunk_sizer``: the colocated replica's prompt chunks come from the engine's ChunkSizer
+    (``cluster/engine/scheduler.py``), not from the tokens that fill the step target exactly: a
+    prompt alone goes in chunks of the sizer's first cap (256) since a step with no decoding
+    request teaches it nothing, so it is prefilled faster than in target-sized chunks; beside
+    decoding requests the cap learns its way down to what keeps a step within the target."""
+    import dataclasses
+
+    from cluster.engine.scheduler import ChunkSizer
+    # a chunk step's fixed part (the host's 20 ms, not overlapped) makes small chunks dear
+    costs = dataclasses.replace(_costs(), prefill_flops_s=2e13, step_overhead_s=0.02, host_overlaps_gpu=False)
+    alone = {"arrival": np.zeros(1), "prompt": np.full(1, 2000.0), "output": np.full(1, 4.0),
+             "phase": np.zeros(1, dtype=int)}
+    ideal = Simulation(costs, alone, prefill=0, decode=1, colocated=True, dt=0.001, chunk_step_s=0.05)
+    sized = Simulation(costs, alone, prefill=0, decode=1, colocated=True, dt=0.001, chunk_step_s=0.05,
+                       chunk_sizer=True)
+    ideal.run(), sized.run()
+    assert sized.first_token[0] < 0.8 * ideal.first_token[0]
+    assert sized.replicas[0].sizer is not None and sized.replicas[0].sizer.cap == 256  # never taught
+    # beside decoding requests: the cap converges below the tokens that fill the target
+    reqs = make_requests([Phase(6.0, 3.0, "rag")], seed=2)
+    sim = Simulation(costs, reqs, prefill=0, decode=1, colocated=True, dt=0.001, concurrency=4,
+                     chunk_step_s=0.05, chunk_sizer=True)
+    out = sim.run()
+    assert out["completed"] == out["requests"]
+    sizer = sim.replicas[0].sizer
+    assert sizer is not None and ChunkSizer.MIN_TOKENS <= sizer.cap < 256
+    fill = costs.chunk_tokens(0.05, 4.0, 0.0, 0.0, 4096.0)  # (its timer sees no host part)
+    assert sizer.cap <= fill * 1.05
+
+
+def test_the_serving_benchmark_samples_what_the_server_says_of_itself():
+    """``bench/serve_compare.py``'s ``with_metrics``: while a run goes it samples /metrics (the
+    decode replica's learned chunk cap, by role, over time) and records the TTFT breakdown's
+    increase over the run; a server that does not answer leaves empty series, not a failure."""
+    import http.server
+    import threading
+    import time
+
+    from bench import serve_compare
+    hits = [0]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            hits[0] += 1
+            n = hits[0]
+            body = ("# TYPE cluster:prefill_chunk_cap gauge\n"
+                    f'cluster:prefill_chunk_cap{{model_name="m",role="decode",replica="a"}} {256 - n}\n'
+                    "# TYPE cluster:ttft_prefill_queue_seconds histogram\n"
+                    f'cluster:ttft_prefill_queue_seconds_bucket{{model_name="m",le="+Inf"}} {n}\n'
+                    f'cluster:ttft_prefill_queue_seconds_sum{{model_name="m"}} {0.5 * n}\n'
+                    f'cluster:ttft_prefill_queue_seconds_count{{model_name="m"}} {n}\n').encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        out = serve_compare.with_metrics(url, lambda: (time.sleep(0.6), {"x": 1})[1], period_s=0.1)
+    finally:
+        server.shutdown()
+    assert out["x"] == 1
+    series = out["server_metrics"]["series"]["cluster:prefill_chunk_cap{decode}"]
+    assert len(series) >= 3 and all(b[1] < a[1] for a, b in zip(series, series[1:]))
+    assert all(b[0] > a[0] for a, b in zip(series, series[1:]))
+    scrapes = hits[0]  # the sums grew by 0.5 a scrape between the first and the last
+    increase = out["server_metrics"]["increase"]
+    assert increase["cluster:ttft_prefill_queue_seconds_count"] == scrapes - 1
+    assert np.isclose(increase["cluster:ttft_prefill_queue_seconds_sum"], 0.5 * (scrapes - 1))
+    gone = serve_compare.with_metrics("http://127.0.0.1:9", lambda: {}, period_s=0.05)
+    assert gone["server_metrics"]["series"] == {} and gone["server_metrics"]["increase"] == {}
