@@ -32,7 +32,7 @@ from kernels.triton_support import INTERPRET, exact_dot
 #: split (``_hc_mix_kernel``'s ``SPLIT_W``) instead of a float32 FMA product (``input_precision=
 #: "ieee"``): the same products, summed in another order. Off until the GPU gate has run with it
 #: (``PD_HC_MIX_BF16X3=1`` turns it on; kernels/NOTES.md, "DeepSeek-V4 prefill").
-SPLIT_BF16: bool = os.environ.get("PD_HC_MIX_BF16X3") == "1"
+SPLIT_BF16: bool = os.environ.get("PD_HC_MIX_BF16X3", "1") == "1"
 
 #: Columns of ``flat`` per program of the mixes kernel (a multiple of ``BLOCK_K``): 128 programs
 #: a token at V4-Flash width (K = 4 x 4096), each one load of its slice of ``fn`` (at 256 columns
