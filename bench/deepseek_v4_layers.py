@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device, shape, dtype, config = device_and_widths(parser, opts.tiny)
     results: dict[str, Any] = {"env": environment(), "config": {"layers": LAYERS, **asdict(shape),
                                                                 "dtype": str(dtype), "experts": "mxfp4", **config}}
-    # fast paths that are off by default until gated, named so an A/B run says which it measured
+    # fast paths with a switch, named so an A/B run says which side it measured
     results["opt_in_paths"] = {"hc_mix_bf16x3": hc_kernels.SPLIT_BF16}
     run_section(results, "anchors", lambda: anchors(device, opts.tiny))
     holder: dict[str, DeepseekV4ForCausalLM] = {}

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                "experts": "mxfp4", **config}}
     model = build_model(config, device, dtype)
     result["kernels"] = list(model.ops.table)
-    # fast paths that are off by default until gated, named so an A/B run says which it measured
+    # fast paths with a switch, named so an A/B run says which side it measured
     result["opt_in_paths"] = {"hc_mix_bf16x3": hc_kernels.SPLIT_BF16}
 
     def checkpoint(partial: dict[str, Any]) -> None:  # what a killed run leaves is still a result

@@ -30,8 +30,9 @@ from kernels.triton_support import INTERPRET, exact_dot
 
 #: bf16 streams: the mixes' products as three bf16 tensor-core products of ``fn``'s exact bf16
 #: split (``_hc_mix_kernel``'s ``SPLIT_W``) instead of a float32 FMA product (``input_precision=
-#: "ieee"``): the same products, summed in another order. Off until the GPU gate has run with it
-#: (``PD_HC_MIX_BF16X3=1`` turns it on; kernels/NOTES.md, "DeepSeek-V4 prefill").
+#: "ieee"``): the same products, summed in another order; 1.12-1.23x a V4-Flash prefill layer on
+#: an H100. On by default since the GPU gate ran it (``PD_HC_MIX_BF16X3=0`` turns it off;
+#: kernels/NOTES.md, "DeepSeek-V4 prefill").
 SPLIT_BF16: bool = os.environ.get("PD_HC_MIX_BF16X3", "1") == "1"
 
 #: Columns of ``flat`` per program of the mixes kernel (a multiple of ``BLOCK_K``): 128 programs
