@@ -32,6 +32,7 @@ loop). Every other row, and the other runs, are predicted and the residuals repo
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import glob
 import json
@@ -40,6 +41,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +50,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
-from cluster.common.reporting import arrival_rate_cv2  # noqa: E402
+from cluster.common.reporting import REPORT_PERIOD_S, arrival_rate_cv2  # noqa: E402
 from cluster.config import TransferConfig  # noqa: E402
 from cluster.engine.scheduler import ChunkSizer  # noqa: E402
 from cluster.router.planner import Demand, Observation, PlannerSettings, PlannerState, RoleLoad, plan  # noqa: E402
@@ -236,6 +238,11 @@ LOCAL_CHUNK_ITL = TransferConfig().local_prefill_itl_share
 LOCAL_PREFILL_WAIT = 0.5
 
 
+#: How often the colocated replicas' chunk cap is sampled (``Simulation.cap_samples``): as the
+#: served replicas report theirs (``cluster.common.reporting.REPORT_PERIOD_S``).
+CAP_SAMPLE_S = REPORT_PERIOD_S
+
+
 @dataclass
 class Replica:
     role: str  # prefill | decode | colocated
@@ -300,12 +307,21 @@ class Simulation:
                  prefill_max_ongoing: int = 512, graceful_shutdown_s: float = 20.0,
                  local_prefill_wait: float | None = None, local_chunk_itl: float | None = None,
                  concurrency: int | None = None, max_time: float = 3600.0,
-                 chunk_step_s: float | None = None, prefill_steps: bool = False, chunk_sizer: bool = False) -> None:
+                 chunk_step_s: float | None = None, prefill_steps: bool = False, chunk_sizer: bool = False,
+                 chunk_caps: Sequence[Sequence[float]] | None = None) -> None:
         self.c, self.r, self.dt = costs, requests, dt
         #: Colocated replicas cut their prompt chunks with the engine's own ``ChunkSizer`` (starts
         #: at 256 tokens a step, learns only from steps beside decoding requests, grows at most 2x
         #: a step) aiming at ``chunk_step_s``, instead of the tokens that fill it exactly.
         self.chunk_sizer = chunk_sizer
+        #: Or a served replica's cap as it was sampled (``[seconds since the run began, tokens]``,
+        #: the gauge ``cluster:prefill_chunk_cap``), replayed: each step takes the latest sample's
+        #: (before the first, the sizer's first cap).
+        self.chunk_caps = sorted((float(t), float(c)) for t, c in chunk_caps) if chunk_caps else None
+        #: The colocated replicas' prompt-chunk cap every ``CAP_SAMPLE_S`` (as the served gauge is
+        #: sampled): ``[seconds, tokens]``.
+        self.cap_samples: list[tuple[float, float]] = []
+        self._next_cap_sample = 0.0
         #: A prefill replica runs steps of up to the token budget packed from its queue in order,
         #: as the engine schedules them (chunked prefill), and a prompt's first token leaves when
         #: the step holding its last chunk ends; the step's overhead is paid once. False: one
@@ -580,7 +596,9 @@ class Simulation:
                 if rep.role == "decode" and self.local_chunk_itl is not None:
                     room = self.local_chunk_itl * self.itl_target - gpu[i] * (batch[i] > 0)
                     chunk = min(chunk, max(64.0, room / self.c.prefill_seconds(1.0, head)))
-                if rep.role == "colocated" and self.chunk_step_s is not None:
+                if rep.role == "colocated" and self.chunk_caps is not None:
+                    chunk = min(chunk, self._replayed_cap(now))
+                elif rep.role == "colocated" and self.chunk_step_s is not None:
                     if self.chunk_sizer:  # the engine's own sizer: what it has learned so far
                         if rep.sizer is None:
                             rep.sizer = ChunkSizer(self.chunk_step_s, self.c.max_batched_tokens)
@@ -603,6 +621,12 @@ class Simulation:
                     while rep.sizer_steps >= 1.0:
                         rep.sizer_steps -= 1.0
                         rep.sizer.observe(int(round(chunk)), chunk >= rep.sizer.cap, float(compute))
+        if now >= self._next_cap_sample:
+            self._next_cap_sample += CAP_SAMPLE_S
+            caps = [self._replayed_cap(now) if self.chunk_caps is not None else float(rep.sizer.cap)
+                    for rep in self.replicas if rep.role == "colocated" and (rep.sizer or self.chunk_caps)]
+            if caps:
+                self.cap_samples.append((now, float(np.mean(caps))))
         busy = batch > 0
         if busy.any():
             self.recent_itl.append((now, float(step[busy].max())))
@@ -630,6 +654,12 @@ class Simulation:
                 self.state[rid] = DONE
                 self.replicas[self.decode_of[rid]].kv_used -= float(self.r["prompt"][rid] + self.r["output"][rid])
                 self._next_client_request(float(self.finished[rid]))
+
+    def _replayed_cap(self, now: float) -> float:
+        """The replayed served cap at ``now`` (``chunk_caps``)."""
+        assert self.chunk_caps is not None
+        i = bisect.bisect_right(self.chunk_caps, (now, math.inf)) - 1
+        return self.chunk_caps[i][1] if i >= 0 else float(ChunkSizer(1.0, self.c.max_batched_tokens).cap)
 
     def _next_client_request(self, at: float) -> None:
         """Closed loop: a client whose request ended sends its next one."""

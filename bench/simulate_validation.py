@@ -26,7 +26,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import environment, write_result  # noqa: E402
 from bench.simulate import RESULTS, Costs, Simulation, gap_spread, serve_run_requests  # noqa: E402
 from cluster.config import ClusterConfig, TransferConfig  # noqa: E402
+from cluster.engine.scheduler import ChunkSizer  # noqa: E402
 
 METRICS = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "tpot_p50", "goodput_fraction")
 #: (parameter, low, high, the disaggregated rate whose metric it matches, metric)
@@ -339,24 +340,53 @@ def measured_requests(row: dict[str, Any]) -> dict[str, np.ndarray] | None:
     return out
 
 
-def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int, chunk_sizer: bool = True
+#: The served decode replica's learned prompt-chunk cap, as ``bench/serve_compare.py`` samples it.
+SERVED_CAP_SERIES = "cluster:prefill_chunk_cap{decode}"
+#: The sizer's first cap (it holds until a step beside decoding requests teaches it).
+SIZER_FIRST_CAP = ChunkSizer(1.0, 1 << 30).cap
+
+
+def learned_cap_mean(samples: Sequence[Sequence[float]]) -> float | None:
+    """The mean of a cap's samples from the first one below the sizer's first cap (once it has
+    learned from a step beside decoding requests); None if it never learned."""
+    caps = [float(c) for _, c in samples]
+    start = next((i for i, c in enumerate(caps) if c < SIZER_FIRST_CAP), None)
+    return None if start is None else float(np.mean(caps[start:]))
+
+
+def served_caps(row: dict[str, Any]) -> list[list[float]] | None:
+    """The row's sampled served chunk cap (``server_metrics``), if the run recorded it."""
+    return (row.get("server_metrics") or {}).get("series", {}).get(SERVED_CAP_SERIES)
+
+
+def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int, chunks: str = "sizer"
                  ) -> dict[str, float]:
     """The row's closed-loop workload (``concurrency`` clients): the run's own requests where it
     recorded them (one deterministic run), else medians over ``seeds`` draws of its lengths. The
-    prefill replica runs budget-packed steps (``Simulation.prefill_steps``), as the engine does."""
+    prefill replica runs budget-packed steps (``Simulation.prefill_steps``), as the engine does.
+    ``chunks``: how the colocated replica cuts prompt chunks: ``sizer`` (the engine's own
+    ChunkSizer), ``ideal`` (the tokens that fill the step target) or ``served`` (the served
+    replica's sampled cap, replayed). Adds ``chunk_cap_mean``: the simulated cap's learned mean."""
     cfg = row["config"]
     own = measured_requests(row)
     workloads = [own] if own is not None else [serve_run_requests(cfg, 1.0, seed) for seed in range(seeds)]
-    outs = []
+    replay = served_caps(row) if chunks == "served" and mode == "colocated" else None
+    if chunks == "served" and mode == "colocated" and not replay:
+        raise ValueError("--chunks served needs a serving run that sampled the served chunk cap")
+    outs, caps = [], []
     for requests in workloads:
         sim = Simulation(costs, requests, prefill=1, decode=1, colocated=mode == "colocated", dt=0.002,
                          ttft_target=cfg["ttft_target_s"], itl_target=cfg["itl_target_s"],
                          shared_gpu=mode == "disagg" and not getattr(costs, "own_cores", False), gpus=1,
                          concurrency=int(cfg["concurrency"]),
                          chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None, prefill_steps=True,
-                         chunk_sizer=chunk_sizer)
+                         chunk_sizer=chunks == "sizer", chunk_caps=replay)
         outs.append(sim.run())
-    return {k: float(np.median([o[k] for o in outs])) for k in METRICS}
+        caps.append(learned_cap_mean(sim.cap_samples))
+    out = {k: float(np.median([o[k] for o in outs])) for k in METRICS}
+    learned = [c for c in caps if c is not None]
+    out["chunk_cap_mean"] = float(np.median(learned)) if learned else float("nan")
+    return out
 
 
 def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
@@ -384,12 +414,11 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
                                gap_spread_weights=spread_weights)
     fits = CPU_FITS_MIXED if base.mixed_batches else CPU_FITS
     costs = fit_constants(base, fits, args,
-                          lambda key: measured(rows[key]), lambda c, key: simulate_cpu(c, rows[key], key[0], args.seeds,
-                                                                     not args.ideal_chunks))
+                          lambda key: measured(rows[key]), lambda c, key: simulate_cpu(c, rows[key], key[0], args.seeds, args.chunks))
     out_rows: dict[str, Any] = {}
     predicted: list[float] = []
     for (mode, phase), row in rows.items():
-        sim = simulate_cpu(costs, row, mode, args.seeds, not args.ideal_chunks)
+        sim = simulate_cpu(costs, row, mode, args.seeds, args.chunks)
         meas = measured(row)
         residual = {k: (sim[k] - meas[k]) / meas[k] if meas[k] else None for k in METRICS}
         fitted_on = sorted({m for _, _, _, key, m in fits if key == (mode, phase)})
@@ -399,6 +428,10 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
         name = f"{os.path.basename(path)}:{mode}-{phase}-c{row['config']['concurrency']}"
         out_rows[name] = {"fitted_on_this_row": fitted_on or None, "simulated": sim, "measured": meas,
                           "residual": residual}
+        served = learned_cap_mean(served_caps(row) or [])
+        if served is not None and np.isfinite(sim["chunk_cap_mean"]):  # the sizer's state, beside the client's view
+            out_rows[name]["chunk_cap_mean"] = {"served": served, "simulated": sim["chunk_cap_mean"],
+                                                "residual": (sim["chunk_cap_mean"] - served) / served}
         print(name, {k: None if v is None else round(v, 3) for k, v in residual.items()})
     fitted = {attr: getattr(costs, attr) for attr, *_ in fits}
     fitted["textless_token_share"] = costs.textless_token_share
@@ -437,9 +470,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prefill-steps", action="store_true",
                         help="GPU runs: the prefill replica in budget-packed steps (Simulation.prefill_steps; "
                              "the CPU validation always uses them)")
-    parser.add_argument("--ideal-chunks", action="store_true",
-                        help="CPU: colocated prompt chunks that fill the step target exactly, instead of the "
-                             "engine's own ChunkSizer (Simulation.chunk_sizer)")
+    parser.add_argument("--chunks", choices=("sizer", "ideal", "served"), default="sizer",
+                        help="CPU: how the colocated replica cuts prompt chunks: the engine's own ChunkSizer "
+                             "(Simulation.chunk_sizer), the tokens that fill the step target exactly, or the served "
+                             "replica's sampled cap replayed (Simulation.chunk_caps; an input, not a prediction)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     result = {"validation_cpu": validate_cpu(args)} if args.cpu else {"validation": validate(args)}

@@ -439,6 +439,28 @@ def test_a_colocated_replica_can_cut_its_chunks_with_the_engines_own_chunk_sizer
     assert sizer is not None and ChunkSizer.MIN_TOKENS <= sizer.cap < 256
     fill = costs.chunk_tokens(0.05, 4.0, 0.0, 0.0, 4096.0)  # (its timer sees no host part)
     assert sizer.cap <= fill * 1.05
+    # sampled as the served gauge is: the first cap until it learns, then the learned ones
+    samples = sim.cap_samples
+    assert samples[0][1] == 256 and samples[-1][1] == sizer.cap
+    assert all(b[0] - a[0] < 0.5 + 0.0011 for a, b in zip(samples, samples[1:]))
+    # or a served replica's sampled cap replayed: 256 until 0.05 s, then 40 tokens a step
+    replayed = Simulation(costs, alone, prefill=0, decode=1, colocated=True, dt=0.001, chunk_step_s=0.05,
+                          chunk_caps=[[0.05, 40.0]])
+    replayed.run()
+    assert replayed.replicas[0].sizer is None
+    assert replayed.first_token[0] > 1.5 * sized.first_token[0]
+    assert [c for _, c in replayed.cap_samples[:2]] == [256.0, 40.0]
+
+
+def test_the_cpu_validation_compares_the_learned_chunk_cap_with_the_served_one():
+    """The served cap's learned mean counts from its first sample below the sizer's first cap;
+    a run that never learned (no step beside decoding requests) has none."""
+    from bench.simulate_validation import SIZER_FIRST_CAP, learned_cap_mean, served_caps
+    assert SIZER_FIRST_CAP == 256
+    assert learned_cap_mean([[0.5, 256.0], [1.0, 256.0], [1.5, 40.0], [2.0, 20.0]]) == 30.0
+    assert learned_cap_mean([[0.5, 256.0], [1.0, 256.0]]) is None and learned_cap_mean([]) is None
+    row = {"server_metrics": {"series": {"cluster:prefill_chunk_cap{decode}": [[0.5, 30.0]]}}}
+    assert served_caps(row) == [[0.5, 30.0]] and served_caps({}) is None
 
 
 def test_the_serving_benchmark_samples_what_the_server_says_of_itself():
