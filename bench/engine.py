@@ -28,7 +28,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -120,6 +121,67 @@ def mixed_step_ms(llm: LLM, decoding: Sequence[str | list[int]], prompt: str | l
     # the steps whose chunk the cap bounded (the prompt's last chunk is its remainder), where any were
     bounded = [i for i, n in enumerate(tokens) if n == max(tokens)]
     return 1000 * median([steps[i] for i in bounded]), float(max(tokens))
+
+
+def collect() -> None:
+    """Free a deleted engine's memory before the next is built (its KV cache is a GPU's share,
+    held by the engine's reference cycles until they are collected)."""
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def step_table(make_llm: Callable[..., LLM], prompts: Sequence[str | list[int]], batches: Sequence[int],
+               chunk_caps: Sequence[int], prefill_prompts: int, new_tokens: int) -> dict[str, Any]:
+    """A served replica's step costs, for the simulator to price its steps with (``replica_steps``
+    of ``bench/serve_compare.py`` on the CPU, ``bench/serve_gpu.py`` on a GPU): decode-only steps
+    by batch (``decode_step_ms``) on the first ``max(batches)`` prompts; steps carrying a prompt
+    chunk beside 0 .. each batch of decoding requests at each of ``chunk_caps`` (``mixed_step_ms``:
+    two caps give each batch's fixed cost and cost per prompt token; the chunked prompts are ones
+    no earlier step used, so no prefix-cache hits); and up to ``prefill_prompts`` of the prompts
+    left, each whole, alone (``prefill_step_ms``). ``make_llm(**settings)`` builds the engine as the replica runs it, with
+    ``max_num_seqs`` and, for the mixed steps, ``long_prefill_token_threshold`` set here."""
+    widest = max(batches)
+    needed = widest + len(chunk_caps) * (len(batches) + 1) + 1  # and up to prefill_prompts more
+    if len(prompts) < needed:
+        raise ValueError(f"step_table needs {needed} prompts for batches {list(batches)}, got {len(prompts)}")
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    longest = max(len(p) if isinstance(p, list) else 0 for p in prompts)
+
+    def warm_llm(**settings: Any) -> LLM:
+        llm = make_llm(**settings)
+        llm.generate(list(prompts[:1]), params.replace(max_tokens=4))  # warm-up
+        return llm
+
+    llm = warm_llm(max_num_seqs=widest)
+    rows = [{"batch": b, "decode_step_ms": decode_step_ms(llm, prompts[:b], params, f"steps-{b}")} for b in batches]
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is not None:  # the longest prompt in tokens: the decoders must outlive its chunks
+        longest = max(len(p) if isinstance(p, list) else len(tokenizer.encode(p)) for p in prompts)
+    del llm
+    collect()
+    mixed = []
+    spare = iter(reversed(range(widest, len(prompts))))  # prompts no step above used
+    for cap in chunk_caps:
+        llm = warm_llm(max_num_seqs=widest + 1, long_prefill_token_threshold=cap)
+        decode_params = params.replace(max_tokens=-(-longest // cap) + 8)
+        for b in [0, *batches]:
+            step_ms, tokens = mixed_step_ms(llm, prompts[:b], prompts[next(spare)], decode_params, f"mixed-{cap}-{b}")
+            mixed.append({"batch": b, "chunk_cap": cap, "step_ms": step_ms, "prompt_tokens": tokens})
+        del llm
+        collect()
+    llm = warm_llm(max_num_seqs=widest)  # a prefill replica's steps: a prompt whole, alone
+    prefill = []
+    for i in list(spare)[:prefill_prompts]:
+        step_ms, tokens = prefill_step_ms(llm, prompts[i], f"prefill-{i}")
+        prefill.append({"prompt_tokens": tokens, "step_ms": step_ms})
+    del llm
+    collect()
+    print("replica steps (ms):", {r["batch"]: round(r["decode_step_ms"], 1) for r in rows},
+          "with a prompt chunk:", {(r["batch"], r["prompt_tokens"]): round(r["step_ms"], 1) for r in mixed},
+          "a prompt alone:", {r["prompt_tokens"]: round(r["step_ms"], 1) for r in prefill})
+    return {"new_tokens": new_tokens, "rows": rows, "mixed": mixed, "prefill": prefill}
 
 
 def bench_hf(model, tokenizer, batch: int, new_tokens: int, repeats: int) -> dict[str, float]:

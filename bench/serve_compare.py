@@ -246,61 +246,26 @@ def replica_steps(args: argparse.Namespace, threads: int = 1, new_tokens: int = 
     """The engine's step times at the served replica's thread count (Ray starts a ``num_cpus=0``
     replica with ``OMP_NUM_THREADS=1``, so it computes on one core): decode-only steps by batch
     (1, 2, 4 ... ``--concurrency``), steps carrying a prompt chunk beside 0 .. ``--concurrency``
-    decoding requests at each of ``MIXED_CHUNK_CAPS``, and ``PREFILL_PROMPTS`` prompts whole, alone.
-    Measured here, in the same run as the deployments, the simulator's
+    decoding requests at each of ``MIXED_CHUNK_CAPS``, and ``PREFILL_PROMPTS`` prompts whole, alone
+    (``bench.engine.step_table``). Measured here, in the same run as the deployments, the simulator's
     validation (``bench/simulate_validation.py --cpu``) prices steps on the machine the served runs
     saw; the load run's own prompts, so the contexts are theirs."""
     import torch
 
-    from bench.engine import decode_step_ms, mixed_step_ms, prefill_step_ms
-    from cluster import LLM, SamplingParams
+    from bench.engine import step_table
+    from cluster import LLM
     config = BenchConfig(base_url="", model=args.model, num_requests=args.num_requests,
                          concurrency=args.concurrency, **_workload(args))
-    built = build_prompts(config)[config.warmup:]
-    prompts = [p for p, _, _ in built]
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [p for p, _, _ in build_prompts(config)[config.warmup:]]
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < args.concurrency] + [args.concurrency]
-    longest = max(n for _, n, _ in built)
-
-    def warm_llm(**settings: Any) -> Any:
-        llm = LLM(args.model, **settings)
-        llm.generate(prompts[:1], params.replace(max_tokens=4))  # warm-up
-        return llm
-
     was = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        llm = warm_llm(max_num_seqs=args.concurrency)
-        rows = [{"batch": b, "decode_step_ms": decode_step_ms(llm, prompts[:b], params, f"steps-{b}")}
-                for b in batches]
-        del llm
-        # steps that carry a prompt chunk beside the decoding requests (a colocated replica's steps
-        # under load): another path than the decode-only steps above; two chunk caps give each
-        # batch's fixed cost and cost per prompt token. The chunked prompts are ones no earlier
-        # request used (no prefix-cache hits).
-        mixed = []
-        spare = iter(reversed(range(args.concurrency, len(prompts))))  # prompts no step above used
-        for cap in MIXED_CHUNK_CAPS:
-            llm = warm_llm(max_num_seqs=args.concurrency + 1, long_prefill_token_threshold=cap)
-            decode_params = params.replace(max_tokens=-(-longest // cap) + 8)
-            for b in [0, *batches]:
-                step_ms, tokens = mixed_step_ms(llm, prompts[:b], prompts[next(spare)], decode_params,
-                                                f"mixed-{cap}-{b}")
-                mixed.append({"batch": b, "chunk_cap": cap, "step_ms": step_ms, "prompt_tokens": tokens})
-            del llm
-        # a prefill replica's steps: a prompt whole, alone, at the workload's lengths
-        llm = warm_llm(max_num_seqs=args.concurrency)
-        prefill = []
-        for i in list(spare)[:PREFILL_PROMPTS]:
-            step_ms, tokens = prefill_step_ms(llm, prompts[i], f"prefill-{i}")
-            prefill.append({"prompt_tokens": tokens, "step_ms": step_ms})
-        del llm
+        table = step_table(lambda **settings: LLM(args.model, **settings), prompts, batches, MIXED_CHUNK_CAPS,
+                           PREFILL_PROMPTS, new_tokens)
     finally:
         torch.set_num_threads(was)
-    print("replica steps (ms):", {r["batch"]: round(r["decode_step_ms"], 1) for r in rows},
-          "with a prompt chunk:", {(r["batch"], r["prompt_tokens"]): round(r["step_ms"], 1) for r in mixed},
-          "a prompt alone:", {r["prompt_tokens"]: round(r["step_ms"], 1) for r in prefill})
-    return {"threads": threads, "new_tokens": new_tokens, "rows": rows, "mixed": mixed, "prefill": prefill}
+    return {"threads": threads, **table}
 
 
 def main() -> None:

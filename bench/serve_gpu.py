@@ -13,6 +13,12 @@ Reports TTFT / ITL / e2e percentiles, throughput and goodput under TTFT and ITL 
 bytes moved and the per-request TTFT breakdown from /metrics, and the transfer's share of TTFT.
 Both roles on one GPU compete for it, so this measures the mechanism and its overheads, not the
 interference that separate GPUs remove (that is the multi-GPU run).
+Each rate's run keeps its requests (lengths, TTFT, gaps: the simulator's validation replays them)
+and what the server said of itself during it (``server_metrics``: the decode replicas' learned
+prompt-chunk cap and queues over time, the TTFT breakdown's increase). Before and after the
+deployments the engine's own steps are timed on the same GPU with the served settings
+(``replica_steps``, ``bench.engine.step_table``: decode-only by batch, a prompt chunk beside
+decoding requests, prompts whole alone), so the validation can price the run's steps from the run.
 
     python bench/serve_gpu.py --out bench/results/serve-h200-<date>.json
     python bench/serve_gpu.py --gpus 2 --kv-transfer nixl --out bench/results/serve-h200x2-<date>.json
@@ -32,7 +38,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment  # noqa: E402
-from bench.serve import BenchConfig, run_benchmark  # noqa: E402
+from bench.serve import BenchConfig, build_prompts, run_benchmark  # noqa: E402
+from bench.serve_compare import with_metrics  # noqa: E402
 
 WIDTH = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
          "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -100,8 +107,8 @@ def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port
                   ttft_target_s=args.ttft_target_s, itl_target_s=args.itl_target_s, seed=1, warmup=2)
     runs = {}
     for rate in args.rates:
-        r = run_benchmark(BenchConfig(**common, num_requests=args.num_requests, rate=rate, label=f"{name}-rate{rate}"))
-        r.pop("requests", None)
+        r = with_metrics(cluster.base_url, lambda rate=rate: run_benchmark(  # type: ignore[misc]
+            BenchConfig(**common, num_requests=args.num_requests, rate=rate, label=f"{name}-rate{rate}")))
         runs[str(rate)] = r
         print(f"{name} rate {rate}: {r['completed']} done, {r['failed']} failed {r['errors']}; TTFT p50 "
               f"{r['ttft_s']['p50']}s ITL p50 {r['itl_s']['p50']}s goodput {r['goodput_rps']:.2f}/s "
@@ -110,6 +117,38 @@ def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port
     serve.delete("cluster")
     time.sleep(5)
     return {"settings": settings, "runs": runs, "metrics_delta": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
+
+
+#: Decode batches the replica's steps are timed at (``--step-batches``), and the prompt chunk
+#: caps of the mixed steps (two: a fixed cost and a cost per token by batch).
+STEP_BATCHES = (1, 2, 4, 8, 16, 32)
+STEP_CHUNK_CAPS = (512, 2048)
+STEP_PREFILL_PROMPTS = 6
+
+
+def replica_steps(args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any]:
+    """The served engine's steps timed in this process on the GPU, with the deployment's settings
+    (``base``) and prompts drawn as the runs' are (same lengths; more of them when the table needs
+    more), by ``bench.engine.step_table``."""
+    import torch
+
+    from bench.engine import step_table
+    from cluster import LLM
+    batches = args.step_batches
+    needed = max(batches) + len(args.step_chunk_caps) * (len(batches) + 1) + STEP_PREFILL_PROMPTS
+    config = BenchConfig(base_url="", model=os.path.basename(args.model_dir), input_len=args.input_len,
+                         output_len=args.output_len, input_len_range=0.5, output_len_range=0.5, seed=1, warmup=2,
+                         num_requests=max(args.num_requests, needed), rate=1.0)
+    prompts = [p for p, _, _ in build_prompts(config)[config.warmup:]]
+    settings = {k: v for k, v in base.items() if k in ("load_format", "kv_cache_memory_bytes", "max_num_batched_tokens",
+                                                       "max_model_len", "device")}
+    began = time.perf_counter()
+    table = step_table(lambda **extra: LLM(args.model_dir, **settings, **extra), prompts, batches,
+                       args.step_chunk_caps, STEP_PREFILL_PROMPTS, args.step_new_tokens)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "seconds": time.perf_counter() - began, **table}
 
 
 def main() -> None:
@@ -130,10 +169,16 @@ def main() -> None:
                         help="GPUs to use: 1 = both roles share it; N >= 2 = N/2 prefill + N/2 decode replicas on "
                              "their own GPUs against N colocated replicas (issue 6)")
     parser.add_argument("--kv-transfer", default="ipc", help="disaggregated mode's transport (ipc, nixl, nccl)")
+    parser.add_argument("--step-batches", type=int, nargs="+", default=list(STEP_BATCHES),
+                        help="decode batches the replica's own steps are timed at (before and after the runs)")
+    parser.add_argument("--step-chunk-caps", type=int, nargs=2, default=list(STEP_CHUNK_CAPS))
+    parser.add_argument("--step-new-tokens", type=int, default=32)
+    parser.add_argument("--no-replica-steps", action="store_true", help="skip timing the replica's own steps")
     parser.add_argument("--tiny", action="store_true", help="toy width on CPU: checks the script, measures nothing")
     args = parser.parse_args()
     if args.tiny:
         args.layers, args.input_len, args.output_len, args.num_requests, args.rates = 2, 64, 8, 6, [2.0]
+        args.step_batches, args.step_chunk_caps, args.step_new_tokens = [1, 2], [8, 16], 6
         args.kv_bytes = (64 if args.model == "v4" else 8) << 20  # V4's window groups take their share first
     import tempfile
 
@@ -170,6 +215,9 @@ def main() -> None:
         if args.gpus >= 2:  # the same replica counts as the GPU run, on CPU processes
             modes["disagg"].update(prefill_replicas=args.gpus // 2, decode_replicas=args.gpus - args.gpus // 2)
             modes["colocated"].update(decode_replicas=args.gpus)
+    steps: dict[str, Any] = {}
+    if not args.no_replica_steps:
+        steps["before"] = replica_steps(args, base)
     for name, settings in modes.items():
         try:
             result["modes"][name] = run_mode(name, settings, args, args.port)
@@ -179,6 +227,12 @@ def main() -> None:
                 serve.delete("cluster")
             except Exception:  # noqa: BLE001
                 pass
+    if not args.no_replica_steps:
+        try:
+            steps["after"] = replica_steps(args, base)
+        except Exception as exc:  # noqa: BLE001 - keep the runs' results
+            result["errors"]["replica_steps_after"] = repr(exc)
+        result["replica_steps"] = steps
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
