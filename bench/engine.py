@@ -94,7 +94,9 @@ def mixed_step_ms(llm: LLM, decoding: Sequence[str | list[int]], prompt: str | l
     """A step that carries a prompt's chunk beside ``len(decoding)`` decoding requests: the median
     time of such steps and of their prompt tokens (the chunk is the LLM's cap), timed once every
     decoding request is past its prefill; steps where fewer were decoding do not count. The
-    requests are run to their end afterwards."""
+    requests are run to their end afterwards. On a GPU each step is waited for (a step that
+    samples nothing would be timed at its launch): its time is then the device's and the host's
+    in turn, where a served replica overlaps them."""
     engine = llm.engine
     decoders = []
     for i, p in enumerate(decoding):
@@ -105,11 +107,14 @@ def mixed_step_ms(llm: LLM, decoding: Sequence[str | list[int]], prompt: str | l
     engine.add_request(f"{tag}-p", prompt, params.replace(max_tokens=1))
     chunked = engine.groups[f"{tag}-p"].samples[0]
     steps, tokens = [], []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     while chunked.num_output_tokens == 0:
         before = chunked.num_computed_tokens
         full = not any(d.status.finished for d in decoders)
         start = time.perf_counter()
         engine.step()
+        sync()  # a chunk step with nothing to sample returns at its launch: time the device's work
         elapsed = time.perf_counter() - start
         if chunked.num_computed_tokens > before and full:
             steps.append(elapsed)
