@@ -347,10 +347,11 @@ SIZER_FIRST_CAP = ChunkSizer(1.0, 1 << 30).cap
 
 
 def learned_cap_mean(samples: Sequence[Sequence[float]]) -> float | None:
-    """The mean of a cap's samples from the first one below the sizer's first cap (once it has
-    learned from a step beside decoding requests); None if it never learned."""
+    """The mean of a cap's samples from the first one off the sizer's first cap (once it has
+    learned from a step beside decoding requests: down where such steps outlast the target, up
+    where they are short of it); None if it never learned."""
     caps = [float(c) for _, c in samples]
-    start = next((i for i, c in enumerate(caps) if c < SIZER_FIRST_CAP), None)
+    start = next((i for i, c in enumerate(caps) if c != SIZER_FIRST_CAP), None)
     return None if start is None else float(np.mean(caps[start:]))
 
 
@@ -453,6 +454,96 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
                     "not counted in the residual summary (a fraction of 10 or 32 requests)."}
 
 
+#: A GPU serving run priced from its own step table (``bench/serve_gpu.py``'s ``replica_steps``):
+#: (parameter, low, high, the row (mode, rate) whose metric it matches, metric). The serving host's
+#: time per step and per running sequence from the disaggregated ITLs (its decode replica only
+#: decodes), a first token's fixed host path from the colocated TTFT at the lower rate and the
+#: hand-over (KV transfer and first decode) from the disaggregated one.
+OWN_GPU_FITS = (("step_overhead_s", 1e-5, 2e-2, ("disagg", 4.0), "itl_p50"),
+                ("step_per_seq_s", 1e-7, 5e-3, ("disagg", 8.0), "itl_p50"),
+                ("ttft_fixed_s", 1e-4, 0.2, ("colocated", 4.0), "ttft_p50"),
+                ("transfer_fixed_s", 1e-4, 0.2, ("disagg", 4.0), "ttft_p50"))
+
+
+def open_loop_requests(row: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A rate run's own requests at the times its client sent them (``start_s``)."""
+    requests = measured_requests(row)
+    if requests is None:
+        raise ValueError("the serving run kept no requests to replay")
+    requests["arrival"] = np.array([float(r["start_s"]) for r in row["requests"]])
+    return requests
+
+
+def own_gpu_costs(serve: dict[str, Any]) -> CpuCosts:
+    """A GPU serving run's costs from its own step table: decode steps by batch, prompt chunks
+    beside decoding requests from the mixed lines, the prefill replica from the whole prompts'
+    line; the host overlaps the device (pipelined steps); the run's KV pool, budget and sequences."""
+    table = replica_step_table(serve)
+    if table is None:
+        raise ValueError("the serving run has no replica_steps (bench/serve_gpu.py records them)")
+    settings = serve["modes"]["disagg"]["settings"]
+    costs = dataclasses.replace(cpu_costs(table), layers=int(serve["config"]["num_hidden_layers"]),
+                                host_overlaps_gpu=True, max_batched_tokens=int(settings["max_num_batched_tokens"]),
+                                max_num_seqs=int(settings["max_num_seqs"]))
+    return dataclasses.replace(costs, kv_tokens=float(serve["workload"]["kv_bytes"]) / costs.kv_bytes_per_token)
+
+
+def simulate_own_gpu(costs: Costs, serve: dict[str, Any], mode: str, rate: float, chunks: str) -> dict[str, float]:
+    """One rate run replayed: its requests at their send times, one prefill and one decode replica
+    sharing the GPU (disaggregated) or one replica (colocated, chunks as ``simulate_cpu``'s)."""
+    row = serve["modes"][mode]["runs"][str(rate)]
+    wl = serve["workload"]
+    replay = served_caps(row) if chunks == "served" and mode == "colocated" else None
+    sim = Simulation(costs, open_loop_requests(row), prefill=1, decode=1, colocated=mode == "colocated",
+                     dt=0.0005, ttft_target=wl["ttft_target_s"], itl_target=wl["itl_target_s"],
+                     shared_gpu=mode == "disagg", gpus=1, prefill_steps=True,
+                     chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None,
+                     chunk_sizer=chunks == "sizer", chunk_caps=replay)
+    out = sim.run()
+    result = {k: float(out[k]) for k in METRICS}
+    result["chunk_cap_mean"] = learned_cap_mean(sim.cap_samples) or float("nan")
+    return result
+
+
+def validate_own_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    """A GPU serving run against the simulator priced from the run's own step table (no engine
+    file of another run, no other card's numbers); ``OWN_GPU_FITS`` fitted on it."""
+    path = args.gpu_serve_file if os.path.exists(args.gpu_serve_file) else os.path.join(RESULTS, args.gpu_serve_file)
+    with open(path) as f:
+        serve = json.load(f)
+    rows = {(mode, float(rate)): r for mode in ("disagg", "colocated") for rate, r in serve["modes"][mode]["runs"].items()}
+    costs = fit_constants(own_gpu_costs(serve), OWN_GPU_FITS, args, lambda key: measured(rows[key]),
+                          lambda c, key: simulate_own_gpu(c, serve, key[0], key[1], args.chunks))
+    out_rows: dict[str, Any] = {}
+    predicted: list[float] = []
+    for (mode, rate), row in sorted(rows.items()):
+        sim = simulate_own_gpu(costs, serve, mode, rate, args.chunks)
+        meas = measured(row)
+        residual = {k: (sim[k] - meas[k]) / meas[k] if meas[k] else None for k in METRICS}
+        fitted_on = sorted({m for _, _, _, key, m in OWN_GPU_FITS if key == (mode, rate)})
+        for k in METRICS:
+            if k not in fitted_on and residual[k] is not None and k != "goodput_fraction":
+                predicted.append(abs(residual[k]))
+        name = f"{os.path.basename(path)}:{mode}-rate{rate:g}"
+        out_rows[name] = {"fitted_on_this_row": fitted_on or None, "simulated": sim, "measured": meas,
+                          "residual": residual}
+        served = learned_cap_mean(served_caps(row) or [])
+        if served is not None and np.isfinite(sim["chunk_cap_mean"]):
+            out_rows[name]["chunk_cap_mean"] = {"served": served, "simulated": sim["chunk_cap_mean"]}
+        print(name, {k: None if v is None else round(v, 3) for k, v in residual.items()})
+    return {"benchmark": "simulator-validation-own-steps", "environment": environment(),
+            "serve_file": os.path.basename(path), "device": serve["replica_steps"].get("before", {}).get("device"),
+            "chunks": args.chunks, "fitted": {attr: getattr(costs, attr) for attr, *_ in OWN_GPU_FITS},
+            "costs": dataclasses.asdict(costs), "predicted_abs_residual": abs_residual_summary(predicted),
+            "rows": out_rows,
+            "note": "each rate run replayed with its own requests at their send times; steps priced from the "
+                    "engine's step table timed on the same GPU in the same run (decode by batch, prompt chunks "
+                    "beside decoding requests, prompts whole); fitted: the serving host's time per step and per "
+                    "running sequence (disaggregated ITL p50 at 4 and 8 req/s), a first token's fixed host path "
+                    "(colocated TTFT p50 at 4) and the hand-over (disaggregated TTFT p50 at 4); every other "
+                    "number is a prediction. Goodput fractions are reported but not counted."}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fit-file", default=None)
@@ -474,9 +565,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="CPU: how the colocated replica cuts prompt chunks: the engine's own ChunkSizer "
                              "(Simulation.chunk_sizer), the tokens that fill the step target exactly, or the served "
                              "replica's sampled cap replayed (Simulation.chunk_caps; an input, not a prediction)")
+    parser.add_argument("--gpu-serve-file", default=None,
+                        help="a GPU serving run with its own step table (bench/serve_gpu.py's replica_steps): "
+                             "validate against it, priced from that table")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    result = {"validation_cpu": validate_cpu(args)} if args.cpu else {"validation": validate(args)}
+    if args.gpu_serve_file:
+        result = {"validation_own_steps": validate_own_gpu(args)}
+    else:
+        result = {"validation_cpu": validate_cpu(args)} if args.cpu else {"validation": validate(args)}
     if args.out:
         write_result(args.out, result)
     return result

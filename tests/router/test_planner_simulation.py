@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from bench.simulate import Costs, Phase, Simulation, make_requests
 from cluster.router.planner import PlannerSettings
@@ -453,11 +454,12 @@ def test_a_colocated_replica_can_cut_its_chunks_with_the_engines_own_chunk_sizer
 
 
 def test_the_cpu_validation_compares_the_learned_chunk_cap_with_the_served_one():
-    """The served cap's learned mean counts from its first sample below the sizer's first cap;
+    """The served cap's learned mean counts from its first sample off the sizer's first cap;
     a run that never learned (no step beside decoding requests) has none."""
     from bench.simulate_validation import SIZER_FIRST_CAP, learned_cap_mean, served_caps
     assert SIZER_FIRST_CAP == 256
     assert learned_cap_mean([[0.5, 256.0], [1.0, 256.0], [1.5, 40.0], [2.0, 20.0]]) == 30.0
+    assert learned_cap_mean([[0.5, 256.0], [1.0, 512.0], [1.5, 1024.0]]) == 768.0  # (a GPU's: it grows)
     assert learned_cap_mean([[0.5, 256.0], [1.0, 256.0]]) is None and learned_cap_mean([]) is None
     row = {"server_metrics": {"series": {"cluster:prefill_chunk_cap{decode}": [[0.5, 30.0]]}}}
     assert served_caps(row) == [[0.5, 30.0]] and served_caps({}) is None
@@ -508,3 +510,41 @@ def test_the_serving_benchmark_samples_what_the_server_says_of_itself():
     assert np.isclose(increase["cluster:ttft_prefill_queue_seconds_sum"], 0.5 * (scrapes - 1))
     gone = serve_compare.with_metrics("http://127.0.0.1:9", lambda: {}, period_s=0.05)
     assert gone["server_metrics"]["series"] == {} and gone["server_metrics"]["increase"] == {}
+
+
+def test_a_gpu_serving_run_is_validated_from_its_own_step_table(tmp_path):
+    """``bench/simulate_validation.py --gpu-serve-file``: a GPU serving run that timed its own
+    steps (``bench/serve_gpu.py``) is priced from that table (decode by batch, the mixed lines,
+    the whole prompts' line; the host overlapping the device; the run's KV pool and budget), its
+    rate runs replayed with their own requests at their send times, four host constants fitted
+    on it and every other number reported as a prediction."""
+    import argparse
+    import json
+
+    from bench import simulate_validation as sv
+    with open(os.path.join(sv.RESULTS, "serve-h100-2026-12-07-steps-synced.json")) as f:
+        serve = json.load(f)
+    for mode in serve["modes"].values():  # a few requests a run keep the test short
+        for run in mode["runs"].values():
+            run["requests"] = run["requests"][:8]
+    costs = sv.own_gpu_costs(serve)
+    assert costs.host_overlaps_gpu and costs.max_batched_tokens == 8192 and costs.max_num_seqs == 128
+    assert costs.step_batches == (1.0, 2.0, 4.0, 8.0, 16.0, 32.0) and 0.001 < costs.step_seconds[0] < 0.003
+    assert costs.mixed_batches[0] == 0.0 and all(t > 0 for t in costs.mixed_token_s)
+    assert np.isclose(costs.kv_tokens * costs.kv_bytes_per_token, serve["workload"]["kv_bytes"])
+    row = serve["modes"]["disagg"]["runs"]["4.0"]
+    requests = sv.open_loop_requests(row)
+    assert np.allclose(requests["arrival"], [r["start_s"] for r in row["requests"]])
+    assert (np.diff(requests["arrival"]) >= 0).all() and requests["arrival"][-1] > 0.5
+    out = sv.simulate_own_gpu(costs, serve, "colocated", 8.0, "sizer")
+    assert set(sv.METRICS) <= set(out) and 0 < out["itl_p50"] < 0.05 and 0 < out["ttft_p50"] < 1.0
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps(serve))
+    args = argparse.Namespace(gpu_serve_file=str(path), chunks="sizer", rounds=1, fit_iters=3)
+    result = sv.validate_own_gpu(args)
+    assert len(result["rows"]) == 4 and result["predicted_abs_residual"]["of"] == 16
+    assert set(result["fitted"]) == {"step_overhead_s", "step_per_seq_s", "ttft_fixed_s", "transfer_fixed_s"}
+    assert result["rows"]["serve.json:disagg-rate4"]["fitted_on_this_row"] == ["itl_p50", "ttft_p50"]
+    bare = dict(serve, replica_steps={})
+    with pytest.raises(ValueError, match="replica_steps"):
+        sv.own_gpu_costs(bare)
