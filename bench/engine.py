@@ -137,6 +137,12 @@ def collect() -> None:
         torch.cuda.empty_cache()
 
 
+def step_table_prompts(batches: Sequence[int], chunk_caps: Sequence[int], prefill_prompts: int) -> int:
+    """The prompts ``step_table`` uses: the widest batch's, one chunked beside each batch (and
+    none) at each cap, and the whole ones."""
+    return max(batches) + len(chunk_caps) * (len(batches) + 1) + prefill_prompts
+
+
 def step_table(make_llm: Callable[..., LLM], prompts: Sequence[str | list[int]], batches: Sequence[int],
                chunk_caps: Sequence[int], prefill_prompts: int, new_tokens: int) -> dict[str, Any]:
     """A served replica's step costs, for the simulator to price its steps with (``replica_steps``
@@ -148,7 +154,7 @@ def step_table(make_llm: Callable[..., LLM], prompts: Sequence[str | list[int]],
     left, each whole, alone (``prefill_step_ms``). ``make_llm(**settings)`` builds the engine as the replica runs it, with
     ``max_num_seqs`` and, for the mixed steps, ``long_prefill_token_threshold`` set here."""
     widest = max(batches)
-    needed = widest + len(chunk_caps) * (len(batches) + 1) + 1  # and up to prefill_prompts more
+    needed = step_table_prompts(batches, chunk_caps, 1)  # and up to prefill_prompts - 1 more
     if len(prompts) < needed:
         raise ValueError(f"step_table needs {needed} prompts for batches {list(batches)}, got {len(prompts)}")
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

@@ -132,14 +132,10 @@ def with_cpu(root_pid: int, run: Callable[[], dict[str, Any]]) -> dict[str, Any]
 SAMPLED_GAUGES = ("cluster:prefill_chunk_cap", "cluster:num_requests_running", "cluster:num_requests_waiting")
 
 
-def scrape(url: str) -> dict[str, dict[str, float]]:
-    """The server's /metrics: each sample's value by name and then by its ``role`` label ("" if it
-    has none; values of one name and role summed over replicas). Empty if it does not answer."""
+def metric_values(text: str) -> dict[str, dict[str, float]]:
+    """Prometheus text: each sample's value by name and then by its ``role`` label ("" if it has
+    none; values of one name and role summed over replicas)."""
     from prometheus_client.parser import text_string_to_metric_families
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=5).text
-    except Exception:  # noqa: BLE001 - a missed scrape is a gap in the series, not a failed run
-        return {}
     out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -147,6 +143,15 @@ def scrape(url: str) -> dict[str, dict[str, float]]:
             by_role = out.setdefault(sample.name, {})
             by_role[role] = by_role.get(role, 0.0) + sample.value
     return out
+
+
+def scrape(url: str) -> dict[str, dict[str, float]]:
+    """The server's /metrics as ``metric_values``; empty if it does not answer."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except Exception:  # noqa: BLE001 - a missed scrape is a gap in the series, not a failed run
+        return {}
+    return metric_values(text)
 
 
 def with_metrics(url: str, run: Callable[[], dict[str, Any]], period_s: float = 0.5) -> dict[str, Any]:

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment  # noqa: E402
 from bench.serve import BenchConfig, build_prompts, run_benchmark  # noqa: E402
-from bench.serve_compare import with_metrics  # noqa: E402
+from bench.serve_compare import metric_values, with_metrics  # noqa: E402
 
 WIDTH = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
          "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -77,20 +77,13 @@ def write_model_dir(path: str, config: dict[str, Any]) -> None:
 
 def scrape(base_url: str) -> dict[str, float]:
     """Sums of the /metrics samples this benchmark reports."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     from tests.e2e.conftest import httpx
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
     wanted = ("cluster:kv_transfer_bytes_total", "cluster:ttft_prefill_queue_seconds_sum",
               "cluster:ttft_prefill_compute_seconds_sum", "cluster:ttft_kv_transfer_seconds_sum",
               "cluster:ttft_first_decode_seconds_sum", "cluster:time_to_first_token_seconds_sum",
               "cluster:time_to_first_token_seconds_count", "cluster:remote_prefill_failures_total")
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in wanted:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+    return {name: sum(by_role.values()) for name, by_role in metric_values(text).items() if name in wanted}
 
 
 def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port: int) -> dict[str, Any]:
@@ -132,10 +125,10 @@ def replica_steps(args: argparse.Namespace, base: dict[str, Any]) -> dict[str, A
     more), by ``bench.engine.step_table``."""
     import torch
 
-    from bench.engine import step_table
+    from bench.engine import step_table, step_table_prompts
     from cluster import LLM
     batches = args.step_batches
-    needed = max(batches) + len(args.step_chunk_caps) * (len(batches) + 1) + STEP_PREFILL_PROMPTS
+    needed = step_table_prompts(batches, args.step_chunk_caps, STEP_PREFILL_PROMPTS)
     config = BenchConfig(base_url="", model=os.path.basename(args.model_dir), input_len=args.input_len,
                          output_len=args.output_len, input_len_range=0.5, output_len_range=0.5, seed=1, warmup=2,
                          num_requests=max(args.num_requests, needed), rate=1.0)
@@ -145,8 +138,6 @@ def replica_steps(args: argparse.Namespace, base: dict[str, Any]) -> dict[str, A
     began = time.perf_counter()
     table = step_table(lambda **extra: LLM(args.model_dir, **settings, **extra), prompts, batches,
                        args.step_chunk_caps, STEP_PREFILL_PROMPTS, args.step_new_tokens)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "seconds": time.perf_counter() - began, **table}
 

@@ -390,6 +390,28 @@ def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int, chunk
     return out
 
 
+def compare_row(name: str, sim: dict[str, float], row: dict[str, Any],
+                fits: tuple[tuple[str, float, float, Any, str], ...], key: Any, predicted: list[float]
+                ) -> dict[str, Any]:
+    """A served row against its simulation: the residuals, the metrics fitted on it, and the
+    learned chunk cap's mean beside the served one's where both learned; the row's unfitted
+    residuals (goodput aside) are appended to ``predicted``, and the row is printed."""
+    meas = measured(row)
+    residual = {k: (sim[k] - meas[k]) / meas[k] if meas[k] else None for k in METRICS}
+    fitted_on = sorted({m for _, _, _, fit_key, m in fits if fit_key == key})
+    for k in METRICS:
+        if k not in fitted_on and residual[k] is not None and k != "goodput_fraction":
+            predicted.append(abs(residual[k]))
+    out: dict[str, Any] = {"fitted_on_this_row": fitted_on or None, "simulated": sim, "measured": meas,
+                           "residual": residual}
+    served = learned_cap_mean(served_caps(row) or [])
+    if served is not None and np.isfinite(sim["chunk_cap_mean"]):  # the sizer's state, beside the client's view
+        out["chunk_cap_mean"] = {"served": served, "simulated": sim["chunk_cap_mean"],
+                                 "residual": (sim["chunk_cap_mean"] - served) / served}
+    print(name, {k: None if v is None else round(v, 3) for k, v in residual.items()})
+    return out
+
+
 def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
     path = args.cpu_serve_file or sorted(glob.glob(os.path.join(RESULTS, "serve-cpu-*.json")))[-1]
     path = path if os.path.exists(path) else os.path.join(RESULTS, path)
@@ -419,21 +441,9 @@ def validate_cpu(args: argparse.Namespace) -> dict[str, Any]:
     out_rows: dict[str, Any] = {}
     predicted: list[float] = []
     for (mode, phase), row in rows.items():
-        sim = simulate_cpu(costs, row, mode, args.seeds, args.chunks)
-        meas = measured(row)
-        residual = {k: (sim[k] - meas[k]) / meas[k] if meas[k] else None for k in METRICS}
-        fitted_on = sorted({m for _, _, _, key, m in fits if key == (mode, phase)})
-        for k in METRICS:
-            if k not in fitted_on and residual[k] is not None and k != "goodput_fraction":
-                predicted.append(abs(residual[k]))
         name = f"{os.path.basename(path)}:{mode}-{phase}-c{row['config']['concurrency']}"
-        out_rows[name] = {"fitted_on_this_row": fitted_on or None, "simulated": sim, "measured": meas,
-                          "residual": residual}
-        served = learned_cap_mean(served_caps(row) or [])
-        if served is not None and np.isfinite(sim["chunk_cap_mean"]):  # the sizer's state, beside the client's view
-            out_rows[name]["chunk_cap_mean"] = {"served": served, "simulated": sim["chunk_cap_mean"],
-                                                "residual": (sim["chunk_cap_mean"] - served) / served}
-        print(name, {k: None if v is None else round(v, 3) for k, v in residual.items()})
+        out_rows[name] = compare_row(name, simulate_cpu(costs, row, mode, args.seeds, args.chunks), row,
+                                     fits, (mode, phase), predicted)
     fitted = {attr: getattr(costs, attr) for attr, *_ in fits}
     fitted["textless_token_share"] = costs.textless_token_share
     fitted["gap_spread_source"] = "runs.local.load" if spread_bins else None
@@ -517,20 +527,9 @@ def validate_own_gpu(args: argparse.Namespace) -> dict[str, Any]:
     out_rows: dict[str, Any] = {}
     predicted: list[float] = []
     for (mode, rate), row in sorted(rows.items()):
-        sim = simulate_own_gpu(costs, serve, mode, rate, args.chunks)
-        meas = measured(row)
-        residual = {k: (sim[k] - meas[k]) / meas[k] if meas[k] else None for k in METRICS}
-        fitted_on = sorted({m for _, _, _, key, m in OWN_GPU_FITS if key == (mode, rate)})
-        for k in METRICS:
-            if k not in fitted_on and residual[k] is not None and k != "goodput_fraction":
-                predicted.append(abs(residual[k]))
         name = f"{os.path.basename(path)}:{mode}-rate{rate:g}"
-        out_rows[name] = {"fitted_on_this_row": fitted_on or None, "simulated": sim, "measured": meas,
-                          "residual": residual}
-        served = learned_cap_mean(served_caps(row) or [])
-        if served is not None and np.isfinite(sim["chunk_cap_mean"]):
-            out_rows[name]["chunk_cap_mean"] = {"served": served, "simulated": sim["chunk_cap_mean"]}
-        print(name, {k: None if v is None else round(v, 3) for k, v in residual.items()})
+        out_rows[name] = compare_row(name, simulate_own_gpu(costs, serve, mode, rate, args.chunks), row,
+                                     OWN_GPU_FITS, (mode, rate), predicted)
     return {"benchmark": "simulator-validation-own-steps", "environment": environment(),
             "serve_file": os.path.basename(path), "device": serve["replica_steps"].get("before", {}).get("device"),
             "chunks": args.chunks, "fitted": {attr: getattr(costs, attr) for attr, *_ in OWN_GPU_FITS},
