@@ -3,14 +3,16 @@ on a GPU before it lands (CI has no GPU, so it cannot see a GPU regression).
 
 1. every ``gpu``-marked test (pytest, one process per test, several at a time);
 2. decode CUDA graphs captured, and their self-check passed, for a Llama-family model and for
-   DeepSeek-V4 (small random checkpoints, the tests' factories): ``captured`` or ``off: <reason>``;
+   DeepSeek-V4 (small random checkpoints, the tests' factories): ``captured`` or ``off: <reason>``,
+   and their start-up prefill warm-up run (``warmed: <lengths, seconds>`` or ``off: <reason>``);
 3. engine decode at batch 1 and 32 on the Qwen3-8B-shaped bench model (``bench/engine_gpu.py``'s
    rows, 512-token prompts, pipelined graphs) as a percentage of the roofline from the copy
    bandwidth measured in the same run.
 
 Writes exactly ``{"commit", "device", "tests": {"passed", "failed"}, "graphs": {"llama",
-"deepseek_v4"}, "decode_pct_of_roofline": {"b1", "b32"}}`` and exits non-zero on any failure (a
-failed or erroring test, graphs off, a decode row missing). Start-up seconds and the other
+"deepseek_v4"}, "prefill_warmup": {"llama", "deepseek_v4"}, "decode_pct_of_roofline": {"b1",
+"b32"}}`` and exits non-zero on any failure (a failed or erroring test, graphs or the warm-up
+off, a decode row missing). Start-up seconds and the other
 details go to standard output only.
 
     PD_BENCH_COMMIT=<hash> bash bench/gpu_session.sh gpucheck      # on the GPU machine
@@ -143,22 +145,24 @@ def run_gpu_tests(workdir: str, timeout_s: float, jobs: int, log: str | None = N
     return dict(totals, rerun_alone=rerun_alone) if rerun_alone else totals
 
 
-def graph_state(make: Any, label: str) -> str:
-    """``captured`` or ``off: <reason>`` for an LLM built by ``make`` (timed: start-up to stdout)."""
+def graph_state(make: Any, label: str) -> tuple[str, str]:
+    """``captured`` or ``off: <reason>`` for an LLM built by ``make`` (timed: start-up to stdout),
+    and what its start-up prefill warm-up did (``warmed: ...`` or ``off: <reason>``)."""
     start = time.perf_counter()
     try:
         llm = make()
     except Exception as exc:  # noqa: BLE001 - the gate reports it
-        return f"off: start-up failed: {exc!r}"
+        return f"off: start-up failed: {exc!r}", "off: start-up failed"
     engine = llm.engine
     print(f"{label}: ready in {time.perf_counter() - start:.1f} s; start-up phases "
           + json.dumps({k: round(v, 2) for k, v in engine.startup_timings.items()}))
     status = engine.runner.graph_status
-    print(f"{label}: decode CUDA graphs {status.describe()}")
-    return "captured" if status.captured else f"off: {status.reason}"
+    print(f"{label}: decode CUDA graphs {status.describe()}; prefill warm-up: {engine.prefill_warmup_status}")
+    warmup = f"{'warmed' if engine.prefill_warmup_lengths else 'off'}: {engine.prefill_warmup_status}"
+    return ("captured" if status.captured else f"off: {status.reason}"), warmup
 
 
-def check_graphs(workdir: str) -> dict[str, str]:
+def check_graphs(workdir: str) -> dict[str, tuple[str, str]]:
     from cluster import LLM
     from tests.deepseek_factories import make_v4_checkpoint
     from tests.factories import make_checkpoint
@@ -211,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
             result["decode_pct_of_roofline"] = {"b1": None, "b32": None}
         gc.collect()
         torch.cuda.empty_cache()
-        result["graphs"] = check_graphs(workdir)
-    result = {key: result[key] for key in ("commit", "device", "tests", "graphs", "decode_pct_of_roofline")}
+        states = check_graphs(workdir)
+        result["graphs"] = {model: graphs for model, (graphs, _) in states.items()}
+        result["prefill_warmup"] = {model: warmup for model, (_, warmup) in states.items()}
+    result = {key: result[key] for key in ("commit", "device", "tests", "graphs", "prefill_warmup",
+                                           "decode_pct_of_roofline")}
     write_result(args.out, result)
     ok = (result["tests"]["failed"] == 0 and result["tests"]["passed"] > 0
           and all(v == "captured" for v in result["graphs"].values())
+          and all(v.startswith("warmed") for v in result["prefill_warmup"].values())
           and all(v is not None for v in result["decode_pct_of_roofline"].values()))
     print(json.dumps(result), f"\ngpucheck {'passed' if ok else 'FAILED'} in {time.perf_counter() - start:.0f} s")
     return 0 if ok else 1

@@ -129,7 +129,8 @@ def with_cpu(root_pid: int, run: Callable[[], dict[str, Any]]) -> dict[str, Any]
 
 
 #: Gauges sampled over a run (the replicas report every 0.5 s), by role.
-SAMPLED_GAUGES = ("cluster:prefill_chunk_cap", "cluster:num_requests_running", "cluster:num_requests_waiting")
+SAMPLED_GAUGES = ("cluster:prefill_chunk_cap", "cluster:num_requests_running", "cluster:num_requests_waiting",
+                  "cluster:slowest_step_seconds")
 
 
 def metric_values(text: str) -> dict[str, dict[str, float]]:
@@ -156,8 +157,9 @@ def scrape(url: str) -> dict[str, dict[str, float]]:
 
 def with_metrics(url: str, run: Callable[[], dict[str, Any]], period_s: float = 0.5) -> dict[str, Any]:
     """``run()``'s result with what the server said of itself during it (``server_metrics``): the
-    sampled gauges over time (the decode replica's learned prompt-chunk cap among them) and the
-    TTFT breakdown's increase (``cluster:ttft_*_seconds`` and the queue time: sum and count), so
+    sampled gauges over time (the decode replica's learned prompt-chunk cap and the replicas'
+    slowest step so far among them) and the increase of the TTFT breakdown (``cluster:ttft_*_seconds``
+    and the queue time: sum and count) and of the steps slower than ``slow_step_s``, so
     a validation can check its model of the replicas against theirs, not only the client's view."""
     series: dict[str, list[list[float]]] = {}
     stop = threading.Event()
@@ -181,8 +183,8 @@ def with_metrics(url: str, run: Callable[[], dict[str, Any]], period_s: float = 
         sampler.join(timeout=10)
     after = scrape(url)
     increase = {name: sum(after[name].values()) - sum(before.get(name, {}).values())
-                for name in after if name.startswith(("cluster:ttft_", "cluster:request_queue_time"))
-                and name.endswith(("_sum", "_count"))}
+                for name in after if (name.startswith(("cluster:ttft_", "cluster:request_queue_time"))
+                                      and name.endswith(("_sum", "_count"))) or name == "cluster:slow_steps_total"}
     result["server_metrics"] = {"period_s": period_s, "series": series, "increase": increase,
                                 "note": "series: [seconds since the run began, value]; increase: over the run"}
     return result

@@ -15,7 +15,11 @@ Both roles on one GPU compete for it, so this measures the mechanism and its ove
 interference that separate GPUs remove (that is the multi-GPU run).
 Each rate's run keeps its requests (lengths, TTFT, gaps: the simulator's validation replays them)
 and what the server said of itself during it (``server_metrics``: the decode replicas' learned
-prompt-chunk cap and queues over time, the TTFT breakdown's increase). Before and after the
+prompt-chunk cap, queues and slowest step over time, the TTFT breakdown's increase, the steps
+slower than ``slow_step_s``). Each mode's replicas start from an empty Triton cache, as on a fresh
+node (``--keep-triton-cache`` shares the machine's), and the mode keeps what they ran on
+(``/v1/backends``: decode graphs, the start-up prefill warm-up); ``--warmup-ab`` first runs each
+mode with the warm-up off (``<mode>-no-warmup``). Before and after the
 deployments the engine's own steps are timed on the same GPU with the served settings
 (``replica_steps``, ``bench.engine.step_table``: decode-only by batch, a prompt chunk beside
 decoding requests, prompts whole alone), so the validation can price the run's steps from the run.
@@ -87,13 +91,24 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port: int) -> dict[str, Any]:
+    """One deployment's runs at every rate. Its replicas start from an empty Triton cache (as on
+    a fresh node) unless ``--keep-triton-cache``; what they run on (``/v1/backends``: decode graphs,
+    the prefill warm-up and how long it took, the kernels) is kept with the runs."""
+    import shutil
+
     from ray import serve
 
     from cluster.application import build_app
-    from tests.e2e.conftest import Cluster
+    from tests.e2e.conftest import Cluster, httpx
+    if args.replica_triton_cache:
+        shutil.rmtree(args.replica_triton_cache, ignore_errors=True)
+        os.makedirs(args.replica_triton_cache)
+    began = time.perf_counter()
     serve.run(build_app(settings), name="cluster", route_prefix="/")
     cluster = Cluster(port)
     cluster.wait_healthy(600)
+    started_s = time.perf_counter() - began
+    backends = httpx.get(f"{cluster.base_url}/v1/backends", timeout=30).json()
     before = scrape(cluster.base_url)
     common = dict(base_url=cluster.base_url, model=os.path.basename(args.model_dir), input_len=args.input_len,
                   output_len=args.output_len, input_len_range=0.5, output_len_range=0.5,
@@ -109,7 +124,8 @@ def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port
     after = scrape(cluster.base_url)
     serve.delete("cluster")
     time.sleep(5)
-    return {"settings": settings, "runs": runs, "metrics_delta": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
+    return {"settings": settings, "started_s": started_s, "backends": backends, "runs": runs,
+            "metrics_delta": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
 
 
 #: Decode batches the replica's steps are timed at (``--step-batches``), and the prompt chunk
@@ -165,6 +181,13 @@ def main() -> None:
     parser.add_argument("--step-chunk-caps", type=int, nargs=2, default=list(STEP_CHUNK_CAPS))
     parser.add_argument("--step-new-tokens", type=int, default=32)
     parser.add_argument("--no-replica-steps", action="store_true", help="skip timing the replica's own steps")
+    parser.add_argument("--keep-triton-cache", action="store_true",
+                        help="replicas share this machine's Triton cache (default: each mode's replicas start from an "
+                             "empty one, as on a fresh node, so a kernel tuned mid-run shows; the step tables timed in "
+                             "this process keep theirs)")
+    parser.add_argument("--warmup-ab", action="store_true",
+                        help="first run each mode with prefill_warmup=false too (modes <mode>-no-warmup): the stall of "
+                             "a prefill kernel tuned mid-run against the start-up warm-up, in one run")
     parser.add_argument("--tiny", action="store_true", help="toy width on CPU: checks the script, measures nothing")
     args = parser.parse_args()
     if args.tiny:
@@ -178,8 +201,11 @@ def main() -> None:
     config = model_config(args.model, args.layers, args.tiny)
     args.model_dir = args.model_dir or os.path.join(tempfile.mkdtemp(), f"{args.model}-width{'-tiny' if args.tiny else ''}")
     write_model_dir(args.model_dir, config)
-    ray.init(include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"NCCL_NVLS_ENABLE": "0", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    env = {"NCCL_NVLS_ENABLE": "0", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    args.replica_triton_cache = None if args.keep_triton_cache else os.path.join(tempfile.mkdtemp(), "triton")
+    if args.replica_triton_cache:
+        env["TRITON_CACHE_DIR"] = args.replica_triton_cache
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     base = {"model": args.model_dir, "load_format": "dummy", "kv_cache_memory_bytes": args.kv_bytes,
             "max_num_seqs": 128, "max_num_batched_tokens": 8192, "max_model_len": 8192}
@@ -206,9 +232,19 @@ def main() -> None:
         if args.gpus >= 2:  # the same replica counts as the GPU run, on CPU processes
             modes["disagg"].update(prefill_replicas=args.gpus // 2, decode_replicas=args.gpus - args.gpus // 2)
             modes["colocated"].update(decode_replicas=args.gpus)
+    if args.warmup_ab:  # the unwarmed deployments first, each from its own empty cache
+        modes = {**{f"{name}-no-warmup": {**settings, "prefill_warmup": False} for name, settings in modes.items()},
+                 **modes}
     steps: dict[str, Any] = {}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+    def checkpoint() -> None:  # after each part, so a run cut short still leaves what it measured
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
     if not args.no_replica_steps:
         steps["before"] = replica_steps(args, base)
+        result["replica_steps"] = steps
+        checkpoint()
     for name, settings in modes.items():
         try:
             result["modes"][name] = run_mode(name, settings, args, args.port)
@@ -218,15 +254,14 @@ def main() -> None:
                 serve.delete("cluster")
             except Exception:  # noqa: BLE001
                 pass
+        checkpoint()
     if not args.no_replica_steps:
         try:
             steps["after"] = replica_steps(args, base)
         except Exception as exc:  # noqa: BLE001 - keep the runs' results
             result["errors"]["replica_steps_after"] = repr(exc)
         result["replica_steps"] = steps
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    checkpoint()
     serve.shutdown()
     ray.shutdown()
     print(json.dumps(result["errors"]) if result["errors"] else "ok")

@@ -90,6 +90,14 @@ class ModelConfig:
     #: an H200 and fa659ec on an H100); ``false`` runs the verify steps of such a model
     #: synchronously, and ``/v1/backends`` says so. Models of one KV group pipeline regardless.
     pipelined_verify_kv_groups: bool = True
+    #: On a GPU: at start-up, one prompt of each power-of-two length from 1 token up to the step's
+    #: token budget runs through the model (into KV blocks freed right after), so the Triton
+    #: autotuning and compilation that each length bucket of the prefill kernels triggers happens
+    #: before serving, not inside the first step that brings a prompt of that size (a stall of
+    #: up to a second for every request in that step). The tuned configs persist on disk, so a
+    #: replica restarting on the same machine warms up in a fraction of the time. Off: the first
+    #: prompt of each bucket pays for it, and ``/v1/backends`` says so.
+    prefill_warmup: bool = True
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
@@ -170,9 +178,16 @@ class SchedulerConfig:
     #: the sizer settles at steps about k times the target, since it learns from the step's total
     #: but caps each prompt).
     sized_chunks_per_step: bool = True
+    #: A step slower than this many seconds counts in ``slow_steps_total`` (and sets the gauge
+    #: ``slowest_step_seconds``) and logs a warning naming its shape, so a stall in serving (a
+    #: kernel tuned or compiled mid-run, a host pause) is seen, not only felt in the tail
+    #: latencies; None: 0.5 s on a GPU, off on a CPU (whose long prompt steps take seconds by
+    #: nature); 0: off.
+    slow_step_s: float | None = None
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
+        _positive("slow_step_s", self.slow_step_s, allow_none=True, allow_zero=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_zero=True)
         _positive("prefill_step_target_s", self.prefill_step_target_s, allow_zero=True)

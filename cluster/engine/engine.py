@@ -48,6 +48,17 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 #: The largest decode graph captured for verify steps (rows: 1 + k per speculating request).
 MAX_VERIFY_GRAPH_ROWS = 512
 CPU_MAX_MODEL_LEN = 8192
+#: ``SchedulerConfig.slow_step_s`` where it is not set, on a GPU (a CPU counts no slow steps).
+DEFAULT_SLOW_STEP_S = 0.5
+#: The KV owner of the start-up prefill warm-up's blocks (freed before any request arrives).
+WARMUP_REQUEST_ID = "\x00prefill-warmup"
+
+
+def warmup_lengths(budget: int) -> list[int]:
+    """The prompt lengths the start-up warm-up runs: every power of two below ``budget``, then
+    ``budget`` (the prefill kernels tune per power-of-two bucket of the query length)."""
+    lengths = [1 << i for i in range(max(0, budget - 1).bit_length()) if 1 << i < budget]
+    return lengths + [budget] if budget > 0 else []
 
 
 def announce_graph_status(status: GraphStatus, device: torch.device, decodes: bool) -> None:
@@ -117,6 +128,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
                                   kv_allocator)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler_config.max_model_len)
         self._init_speculation()
+        self._warm_prefill()
         self._init_cuda_graphs()
         self.groups: dict[str, RequestGroup] = {}
         self._sample_group: dict[str, RequestGroup] = {}
@@ -139,9 +151,48 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         self.num_pipelined_steps = 0
         self.num_pipelined_verify_steps = 0
         self.num_sync_steps = 0
+        slow = self.scheduler_config.slow_step_s
+        self.slow_step_s = (DEFAULT_SLOW_STEP_S if self.device.type == "cuda" else 0.0) if slow is None else slow
+        self.num_slow_steps = 0
+        self.slowest_step_s = 0.0
+        self._slow_steps_said = 0
+        self._slow_step_logged_at = -float("inf")
         self._init_spec_pipelining()
 
     # --- start-up --------------------------------------------------------------------------------
+
+    def _warm_prefill(self, force: bool = False) -> None:
+        """On a GPU (or ``force``d), run a prompt of each power-of-two length up to the step's
+        token budget (and the budget itself) through the model, so no served step waits for a
+        prefill kernel's autotuning or compilation (``ModelConfig.prefill_warmup``). Said at
+        start-up and in ``/v1/backends``: which lengths, how long, or why not."""
+        #: The prompt lengths warmed at start-up (empty when off) and what ``/v1/backends`` says.
+        self.prefill_warmup_lengths: list[int] = []
+        if not self.model_config.prefill_warmup:
+            self.prefill_warmup_status = "off (prefill_warmup=false): the first prompt of each length bucket tunes its kernels"
+        elif self.device.type != "cuda" and not force:
+            self.prefill_warmup_status = f"not needed on {self.device.type}: no kernel autotunes by prompt length there"
+        else:
+            budget = min(self.scheduler_config.max_num_batched_tokens, self.scheduler_config.max_model_len)
+            lengths = warmup_lengths(budget)
+            while lengths and not self.kv.allocate(WARMUP_REQUEST_ID, lengths[-1]):
+                lengths.pop()  # a KV cache too small for the budget: warm what fits
+            start = time.perf_counter()
+            try:
+                tables = self.kv.block_tables(WARMUP_REQUEST_ID) if lengths else []
+                for n in lengths:
+                    self.runner.warm_prefill(n, tables)
+            finally:
+                self.kv.free(WARMUP_REQUEST_ID)
+            seconds = time.perf_counter() - start
+            self.startup_timings["prefill_warmup_s"] = seconds
+            self.prefill_warmup_lengths = lengths
+            if lengths:
+                self.prefill_warmup_status = (f"prompts of {lengths[0]}..{lengths[-1]} tokens ({len(lengths)} lengths) "
+                                              f"warmed at start-up in {seconds:.1f} s")
+            else:
+                self.prefill_warmup_status = "skipped: the KV cache holds no prompt of one token"
+        logger.info("prefill warm-up: %s", self.prefill_warmup_status)
 
     def _init_cuda_graphs(self) -> None:
         """Capture decode graphs (not for prefill-only engines, which never decode), and say
@@ -378,6 +429,9 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         device = rows[0]["device"] if rows else self.device.type
         rows.append({"component": "cuda_graphs", "op": "decode_step", "impl": "captured" if status.captured else "off",
                      "device": device, "role": "main", "format": "-", "reason": status.describe()})
+        rows.append({"component": "prefill_warmup", "op": "prefill_step",
+                     "impl": "warmed" if self.prefill_warmup_lengths else "off", "device": device, "role": "main",
+                     "format": "-", "reason": self.prefill_warmup_status})
         if self.proposer is not None:
             reason = (f"{self.model_config.num_speculative_tokens} draft tokens per verify step, each verified "
                       "position a decode row (in the decode graphs where they fit)")
@@ -432,6 +486,7 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
             "num_free_blocks": float(min(self.kv.num_free_blocks())),
             "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,
             "cuda_graphs_captured": float(self.runner.graph_status.captured),
+            "slowest_step_seconds": self.slowest_step_s,
         }
         sizer = self.scheduler.chunk_sizer
         if sizer is not None:  # the prompt chunk cap the sizer learned (prefill_step_target_s)
@@ -450,7 +505,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         out = {"num_preemptions_total": float(self.scheduler.num_preemptions),
                "forked_samples_total": float(self.num_forked_samples),
                "graph_steps_total": float(self.runner.num_graph_steps),
-               "eager_steps_total": float(self.runner.num_eager_steps)}
+               "eager_steps_total": float(self.runner.num_eager_steps),
+               "slow_steps_total": float(self.num_slow_steps)}
         if self.spec_stats is not None:
             out.update(self.spec_stats.counters())
             out["spec_decode_pipelined_steps_total"] = float(self.num_pipelined_verify_steps)

@@ -26,7 +26,8 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, async_scheduling: bool = True,
                  long_prefill_token_threshold: int = 0, prefill_step_target_s: float = 0.0,
-                 sized_chunks_per_step: bool = True, **model_kwargs: Any) -> None:
+                 sized_chunks_per_step: bool = True, slow_step_s: float | None = None,
+                 **model_kwargs: Any) -> None:
         model_config = ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                    seed=seed, **model_kwargs)
         cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -37,7 +38,7 @@ class LLM:
                                            async_scheduling=async_scheduling,
                                            long_prefill_token_threshold=long_prefill_token_threshold,
                                            prefill_step_target_s=prefill_step_target_s,
-                                           sized_chunks_per_step=sized_chunks_per_step)
+                                           sized_chunks_per_step=sized_chunks_per_step, slow_step_s=slow_step_s)
         self.engine = LLMEngine(model_config, cache_config, scheduler_config)
         self._ids = itertools.count()
 

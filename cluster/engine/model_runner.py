@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from functools import cached_property
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,7 @@ from cluster.engine.cuda_graphs import (DecodeGraphs, GraphStatus, GraphUnsafeEr
                                        stage_tables)
 from cluster.engine.draft_runner import DraftHeadRunner, DraftJob
 from cluster.engine.sampler import Sampler, SamplingRow, to_device
+from cluster.engine.request import Request
 from cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from cluster.engine.verify_step import VerifyGraphs, VerifyOutputs, verify_on_device
 from cluster.models.context import ForwardContext
@@ -153,6 +155,21 @@ class ModelRunner:
         self.num_eager_steps += 1
         ctx, input_ids = self._context(batch)
         return self.model(input_ids, ctx), batch.sample_rows
+
+    @torch.inference_mode()
+    def warm_prefill(self, num_tokens: int, tables: list[list[int]]) -> None:
+        """Run one prompt of ``num_tokens`` tokens from position 0 through the model and its LM
+        head's last row, writing its KV into ``tables`` (blocks the caller holds and frees): the
+        kernels a real prompt of this length reaches compile and autotune now. The token ids are
+        spread over the vocabulary, so a MoE routes them as it would text."""
+        model = cast(Any, self.model)
+        ids = (np.arange(num_tokens, dtype=np.int64) * 7919 + 11) % int(model.vocab_size)
+        chunk = ScheduledRequest(request=cast(Request, None), num_computed_tokens=0, num_new_tokens=num_tokens,
+                                 request_id="warmup", token_ids=ids.tolist(), prefill=True)
+        ctx, input_ids = self._context(build_host_batch([chunk], {"warmup": tables}, self.specs))
+        model.compute_logits(model(input_ids, ctx)[-1:])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -28,6 +28,8 @@ from cluster.engine.draft_runner import DraftJob
 from cluster.engine.spec_decode import Proposer, SpecDecodeStats, accepted_length
 
 logger = logging.getLogger(__name__)
+#: At most one slow-step warning per this many seconds (each says how many went unsaid).
+SLOW_STEP_LOG_PERIOD_S = 10.0
 
 
 class StepLoop:
@@ -50,6 +52,13 @@ class StepLoop:
     _pipelined: bool
     last_step: list[tuple[str, int, int]]
     num_sync_steps: int
+    #: Steps slower than ``slow_step_s`` seconds (0: not counted), the slowest step's seconds, and
+    #: the rate limit of the slow-step warning.
+    slow_step_s: float
+    num_slow_steps: int
+    slowest_step_s: float
+    _slow_steps_said: int
+    _slow_step_logged_at: float
     proposer: Proposer | None
     spec_stats: SpecDecodeStats | None
 
@@ -60,6 +69,36 @@ class StepLoop:
                 or self._in_flight is not None or self._verify_in_flight is not None)
 
     def step(self) -> list[RequestOutput]:
+        """One engine step (``_step``), timed: a step slower than ``slow_step_s`` is counted and
+        said (``_note_slow_step``)."""
+        began = time.perf_counter()
+        out = self._step()
+        seconds = time.perf_counter() - began
+        if seconds > self.slowest_step_s:
+            self.slowest_step_s = seconds
+        if 0 < self.slow_step_s < seconds:
+            self._note_slow_step(seconds)
+        return out
+
+    def _note_slow_step(self, seconds: float) -> None:
+        """Count a slow step and warn with its shape, at most one warning per ``SLOW_STEP_LOG_PERIOD_S``
+        (saying how many slow steps went unsaid since the last)."""
+        self.num_slow_steps += 1
+        now = time.monotonic()
+        if now - self._slow_step_logged_at < SLOW_STEP_LOG_PERIOD_S:
+            return
+        unsaid = self.num_slow_steps - 1 - self._slow_steps_said
+        self._slow_steps_said = self.num_slow_steps
+        self._slow_step_logged_at = now
+        chunks = [n for _, _, n in self.last_step]
+        prompts = [n for n in chunks if n > 1]
+        context = max((start + n for _, start, n in self.last_step), default=0)
+        logger.warning("slow step: %.3f s (slow_step_s=%.3g) for %d tokens of %d requests (%d prompt chunks, the longest "
+                       "%d tokens; contexts up to %d tokens); %d slow steps since start-up%s", seconds,
+                       self.slow_step_s, sum(chunks), len(chunks), len(prompts), max(prompts, default=0), context,
+                       self.num_slow_steps, f", {unsaid} not logged since the last warning" if unsaid else "")
+
+    def _step(self) -> list[RequestOutput]:
         self._release_quarantine()
         self._expire_deadlines()
         if self._launch_verify_from_device():  # pipelined speculative decoding goes on

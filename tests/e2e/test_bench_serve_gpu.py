@@ -22,7 +22,7 @@ def test_the_gpu_serving_benchmark_records_what_the_validation_replays(tmp_path)
     out = tmp_path / "serve-tiny.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)  # its own local Ray instance, as on the device machine
-    proc = subprocess.Popen([sys.executable, "bench/serve_gpu.py", "--tiny", "--port", str(free_port()),
+    proc = subprocess.Popen([sys.executable, "bench/serve_gpu.py", "--tiny", "--warmup-ab", "--port", str(free_port()),
                              "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -34,8 +34,12 @@ def test_the_gpu_serving_benchmark_records_what_the_validation_replays(tmp_path)
     assert proc.returncode == 0, log[-3000:]
     result = json.loads(out.read_text())
     assert result["errors"] == {}
-    assert set(result["modes"]) == {"disagg", "colocated"}
+    assert set(result["modes"]) == {"disagg", "colocated", "disagg-no-warmup", "colocated-no-warmup"}
     for mode, runs in result["modes"].items():
+        # what the replicas ran on: a CPU's replicas do not warm up, and say why
+        [warmup] = {r["reason"] for r in runs["backends"] if r["component"] == "prefill_warmup"}
+        assert ("prefill_warmup=false" if mode.endswith("-no-warmup") else "not needed on cpu") in warmup
+        assert runs["started_s"] > 0 and runs["settings"].get("prefill_warmup", True) is not mode.endswith("-no-warmup")
         for rate, run in runs["runs"].items():
             assert run["completed"] == run["num_requests"] and run["failed"] == 0
             requests = run["requests"]  # kept, for the validation to replay
@@ -43,6 +47,9 @@ def test_the_gpu_serving_benchmark_records_what_the_validation_replays(tmp_path)
             assert all(r["prompt_tokens"] > 0 and r["output_tokens"] > 0 for r in requests)
             metrics = run["server_metrics"]
             assert "cluster:prefill_chunk_cap{decode}" in metrics["series"]
+            # the replicas' slowest step so far, and no slow step counted (off on a CPU)
+            assert max(v for _, v in metrics["series"]["cluster:slowest_step_seconds{decode}"]) > 0
+            assert metrics["increase"]["cluster:slow_steps_total"] == 0
             count = metrics["increase"]["cluster:request_queue_time_seconds_count"]
             assert count >= run["num_requests"]  # (and the warm-up requests)
             if mode == "disagg":

@@ -47,6 +47,8 @@ def test_cpu_resolves_every_component_to_the_references(llama_dir):
     table = by_component(LLM(llama_dir, block_size=4))
     graphs = table.pop("cuda_graphs")  # not a kernel: whether decode replays graphs, and why not
     assert graphs["impl"] == "off" and "the device is cpu" in graphs["reason"]
+    warmup = table.pop("prefill_warmup")  # not a kernel either: the start-up prefill warm-up
+    assert warmup["impl"] == "off" and "not needed on cpu" in warmup["reason"]
     assert set(table) == {"attention", "kv_cache_write", "qkv_prepare", "rms_norm", "rotary", "silu_and_mul",
                           "sampler", "linear", "spec_verify_rows", "spec_accept_draft_rows"}
     assert all(row["impl"] == "torch" and row["device"] == "cpu" for row in table.values())
