@@ -18,7 +18,7 @@ date=$(date +%F)
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
-    gpucheck) timeout 380 python3 bench/gpucheck.py --tests-timeout-s 260 --log "$OUT/gpucheck-tests.log" --out "$OUT/gpucheck-h200-$date.json" 2>&1 | tail -80 ;;
+    gpucheck) timeout 440 python3 bench/gpucheck.py --tests-timeout-s 320 --log "$OUT/gpucheck-tests.log" --out "$OUT/gpucheck-h200-$date.json" 2>&1 | tail -80 ;;
     fidelity) timeout 400 python3 -m pytest -q -s -m gpu tests/engine/test_gpu_fidelity.py -p no:cacheprovider 2>&1 | grep -vE "^(Loading|Writing)" | tail -40 ;;
     startup) TRITON_PRINT_AUTOTUNING=1 timeout 290 python3 bench/startup_gpu.py --out "$OUT/startup-h200-$date.json" 2>&1 | tail -60 ;;
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" ;;

@@ -16,8 +16,8 @@ interference that separate GPUs remove (that is the multi-GPU run).
 Each rate's run keeps its requests (lengths, TTFT, gaps: the simulator's validation replays them)
 and what the server said of itself during it (``server_metrics``: the decode replicas' learned
 prompt-chunk cap, queues and slowest step over time, the TTFT breakdown's increase, the steps
-slower than ``slow_step_s``). Each mode's replicas start from an empty Triton cache, as on a fresh
-node (``--keep-triton-cache`` shares the machine's), and the mode keeps what they ran on
+slower than ``slow_step_s``). With ``--fresh-triton-cache`` each mode's replicas start from an
+empty Triton cache, as on a fresh node (else they share the machine's), and the mode keeps what they ran on
 (``/v1/backends``: decode graphs, the start-up prefill warm-up); ``--warmup-ab`` first runs each
 mode with the warm-up off (``<mode>-no-warmup``). Before and after the
 deployments the engine's own steps are timed on the same GPU with the served settings
@@ -92,7 +92,7 @@ def scrape(base_url: str) -> dict[str, float]:
 
 def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port: int) -> dict[str, Any]:
     """One deployment's runs at every rate. Its replicas start from an empty Triton cache (as on
-    a fresh node) unless ``--keep-triton-cache``; what they run on (``/v1/backends``: decode graphs,
+    a fresh node) with ``--fresh-triton-cache``; what they run on (``/v1/backends``: decode graphs,
     the prefill warm-up and how long it took, the kernels) is kept with the runs."""
     import shutil
 
@@ -181,10 +181,9 @@ def main() -> None:
     parser.add_argument("--step-chunk-caps", type=int, nargs=2, default=list(STEP_CHUNK_CAPS))
     parser.add_argument("--step-new-tokens", type=int, default=32)
     parser.add_argument("--no-replica-steps", action="store_true", help="skip timing the replica's own steps")
-    parser.add_argument("--keep-triton-cache", action="store_true",
-                        help="replicas share this machine's Triton cache (default: each mode's replicas start from an "
-                             "empty one, as on a fresh node, so a kernel tuned mid-run shows; the step tables timed in "
-                             "this process keep theirs)")
+    parser.add_argument("--fresh-triton-cache", action="store_true",
+                        help="each mode's replicas start from an empty Triton cache, as on a fresh node (default: they "
+                             "share this machine's, which the step tables timed in this process fill first)")
     parser.add_argument("--warmup-ab", action="store_true",
                         help="first run each mode with prefill_warmup=false too (modes <mode>-no-warmup): the stall of "
                              "a prefill kernel tuned mid-run against the start-up warm-up, in one run")
@@ -202,7 +201,7 @@ def main() -> None:
     args.model_dir = args.model_dir or os.path.join(tempfile.mkdtemp(), f"{args.model}-width{'-tiny' if args.tiny else ''}")
     write_model_dir(args.model_dir, config)
     env = {"NCCL_NVLS_ENABLE": "0", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    args.replica_triton_cache = None if args.keep_triton_cache else os.path.join(tempfile.mkdtemp(), "triton")
+    args.replica_triton_cache = os.path.join(tempfile.mkdtemp(), "triton") if args.fresh_triton_cache else None
     if args.replica_triton_cache:
         env["TRITON_CACHE_DIR"] = args.replica_triton_cache
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})

@@ -15,6 +15,7 @@ import torch
 
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.common.outputs import PositionLogprobs
+from cluster.common.sampling_params import SamplingParams
 from cluster.engine.batch import HostBatch, build_host_batch, take_pending_tokens
 from cluster.engine.cuda_graphs import (DecodeGraphs, GraphStatus, GraphUnsafeError, capture_with_status, fetch,
                                        stage_tables)
@@ -82,6 +83,11 @@ class SeededWindow:
 #: Allocates KV storage ``[num_blocks, num_layers, *block_shape]`` per group (e.g. in shared memory
 #: so a transfer backend can move it): (specs, num_blocks, device, dtypes) -> tensors.
 KVAllocator = Callable[[list[KVGroupSpec], list[int], torch.device, list[torch.dtype]], list[torch.Tensor]]
+
+
+#: How the start-up warm-up samples its prompts' last rows: the greedy path, and a seeded draw
+#: through the filters.
+WARMUP_SAMPLING = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=0))
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -159,15 +165,18 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_prefill(self, num_tokens: int, tables: list[list[int]]) -> None:
         """Run one prompt of ``num_tokens`` tokens from position 0 through the model and its LM
-        head's last row, writing its KV into ``tables`` (blocks the caller holds and frees): the
-        kernels a real prompt of this length reaches compile and autotune now. The token ids are
-        spread over the vocabulary, so a MoE routes them as it would text."""
+        head's last row, writing its KV into ``tables`` (blocks the caller holds and frees), and
+        sample that row greedily and at a temperature (top-p): the kernels a real prompt of this
+        length reaches, and the sampler's, compile and autotune now. The token ids are spread
+        over the vocabulary, so a MoE routes them as it would text."""
         model = cast(Any, self.model)
         ids = (np.arange(num_tokens, dtype=np.int64) * 7919 + 11) % int(model.vocab_size)
         chunk = ScheduledRequest(request=cast(Request, None), num_computed_tokens=0, num_new_tokens=num_tokens,
                                  request_id="warmup", token_ids=ids.tolist(), prefill=True)
         ctx, input_ids = self._context(build_host_batch([chunk], {"warmup": tables}, self.specs))
-        model.compute_logits(model(input_ids, ctx)[-1:])
+        logits = model.compute_logits(model(input_ids, ctx)[-1:])
+        for params in WARMUP_SAMPLING:
+            self.sampler(logits, [SamplingRow(params, [], [], ())])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

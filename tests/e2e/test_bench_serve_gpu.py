@@ -22,7 +22,8 @@ def test_the_gpu_serving_benchmark_records_what_the_validation_replays(tmp_path)
     out = tmp_path / "serve-tiny.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)  # its own local Ray instance, as on the device machine
-    proc = subprocess.Popen([sys.executable, "bench/serve_gpu.py", "--tiny", "--warmup-ab", "--port", str(free_port()),
+    proc = subprocess.Popen([sys.executable, "bench/serve_gpu.py", "--tiny", "--warmup-ab", "--fresh-triton-cache",
+                             "--port", str(free_port()),
                              "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -128,7 +128,7 @@ def test_gpu_start_up_tunes_every_prefill_bucket_so_serving_tunes_none(tmp_path)
     replica's without the warm-up."""
     from kernels.triton_attention_prefill import _prefill_kernel
     path = str(tmp_path / "llama")
-    make_checkpoint(path)
+    make_checkpoint(path, max_position_embeddings=1024)
     common = dict(dtype="bfloat16", max_num_batched_tokens=512, max_model_len=1024, max_num_seqs=8)
     llm = LLM(path, **common)
     engine = llm.engine

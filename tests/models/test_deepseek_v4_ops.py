@@ -212,6 +212,7 @@ def test_gpu_native_experts_and_triton_kernels_match_the_references(v4_dir, tmp_
     table = {row["component"]: row["impl"] for row in llm.engine.backends()}
     assert table.pop("cuda_graphs") == "captured"  # the rows that are not a kernel's choice
     assert table.pop("fused_projections") == "fused"
+    assert table.pop("prefill_warmup") == "warmed"
     assert all(impl == "triton" for impl in table.values()), table
     assert isinstance(llm.engine.model.layers[1].ffn.experts.w13, QuantizedWeight)
     got = logits(llm)
