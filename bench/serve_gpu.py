@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import environment  # noqa: E402
+from bench.common import environment, write_result  # noqa: E402
 from bench.serve import BenchConfig, build_prompts, run_benchmark  # noqa: E402
 from bench.serve_compare import metric_values, with_metrics  # noqa: E402
 
@@ -231,15 +231,13 @@ def main() -> None:
         if args.gpus >= 2:  # the same replica counts as the GPU run, on CPU processes
             modes["disagg"].update(prefill_replicas=args.gpus // 2, decode_replicas=args.gpus - args.gpus // 2)
             modes["colocated"].update(decode_replicas=args.gpus)
-    if args.warmup_ab:  # the unwarmed deployments first, each from its own empty cache
+    if args.warmup_ab:  # the unwarmed deployments first (each from an empty cache with --fresh-triton-cache)
         modes = {**{f"{name}-no-warmup": {**settings, "prefill_warmup": False} for name, settings in modes.items()},
                  **modes}
     steps: dict[str, Any] = {}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
     def checkpoint() -> None:  # after each part, so a run cut short still leaves what it measured
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, result)
     if not args.no_replica_steps:
         steps["before"] = replica_steps(args, base)
         result["replica_steps"] = steps
