@@ -54,6 +54,22 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_scalar_index()
 
 
+# Tests that start Ray (a local instance, Serve's proxy on a port, `serve run`, `serve build`) or time
+# a served run. Under pytest-xdist (the README's test command runs two workers) they all go to one
+# worker, one after another: two Ray instances at once would share /tmp/ray's session and contend
+# for ports, and a served timing beside another Ray run would measure the other run.
+RAY_TESTS = ("tests/e2e/", "tests/router/test_serve_routing.py", "tests/router/test_planner.py",
+             "tests/router/test_planner_simulation.py", "tests/deploy/")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = str(config.rootpath)
+    for item in items:
+        path = os.path.relpath(str(item.path), root).replace(os.sep, "/")
+        if path.startswith(RAY_TESTS):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(autouse=True)
 def _collect_cycles():
     """Collect reference cycles after every test. Tests wrap engines' methods in closures and
