@@ -67,7 +67,14 @@ def test_default_app_answers_the_openai_client(served):
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
         model=models[0], messages=question, temperature=0, max_tokens=20, stream=True) if chunk.choices)
     assert streamed == reply.choices[0].message.content
-    backends = httpx.get(f"{BASE}/v1/backends", timeout=10).json()
+    # /health answers once a replica can serve (a decode replica prefills alone); on a busy
+    # machine the prefill replica may still be loading then: it reports within a minute
+    deadline = time.monotonic() + 60
+    while True:
+        backends = httpx.get(f"{BASE}/v1/backends", timeout=10).json()
+        if {b["role"] for b in backends} >= {"prefill", "decode"} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert {b["role"] for b in backends} >= {"prefill", "decode"}
     # Whether decode runs as CUDA graphs, per replica, with the reason when it does not.
     graphs = {b["role"]: b for b in backends if b["component"] == "cuda_graphs"}

@@ -15,15 +15,16 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
+from cluster.engine.spec_decode import SpecDecodeStats
 from tests.engine.test_draft_head import K, head_llm, save_head, summary, tiny, train_head, train_prompts  # noqa: F401
 from tests.factories import make_checkpoint
 
 SETTINGS = dict(block_size=16, dtype="float32", attention_backend="triton", max_num_seqs=4, max_model_len=160)
 
 
-def graph_llm(tiny, pipelined: bool = True, **kwargs) -> LLM:  # noqa: F811 - the fixture's value
+def graph_llm(tiny, **kwargs) -> LLM:  # noqa: F811 - the fixture's value
     """The draft-head engine with emulated decode and draft graphs (captured by hand: a CPU has
-    none), its verify steps pipelined or not."""
+    none), its verify steps pipelined."""
     settings = {**SETTINGS, **kwargs}
     llm = head_llm(tiny, enforce_eager=True, **settings)
     engine = llm.engine
@@ -33,12 +34,28 @@ def graph_llm(tiny, pipelined: bool = True, **kwargs) -> LLM:  # noqa: F811 - th
     assert engine.runner.verify_graph_status.captured, engine.runner.verify_graph_status.describe()
     engine._init_spec_pipelining()
     assert engine._spec_pipelined and engine.spec_pipeline_status == ""
-    engine._spec_pipelined = pipelined
     return llm
 
 
 def plain(tiny, **kwargs) -> LLM:  # noqa: F811
     return LLM(tiny[0], **{**SETTINGS, **kwargs})
+
+
+def synchronous(llm: LLM, prompts, params) -> tuple[list, list[int]]:
+    """``llm``'s outputs from synchronous verify steps (none pipelined), and the drafts accepted
+    position by position; then its prefix cache emptied and its speculation totals zeroed, and
+    its verify steps pipelined again: the same engine's pipelined run next starts where a fresh
+    one would, without capturing its emulated graphs a second time (that capture, interpreted,
+    was most of these tests' time)."""
+    engine = llm.engine
+    engine._spec_pipelined = False
+    out = summary(llm.generate(prompts, params))
+    assert engine.num_pipelined_verify_steps == 0 and engine.kv.usage == 0.0
+    accepted = list(engine.spec_stats.accepted_per_pos)
+    engine.kv.reset_prefix_cache()
+    engine.spec_stats = SpecDecodeStats(K)
+    engine._spec_pipelined = True
+    return out, accepted
 
 
 def test_greedy_output_equals_no_speculation(tiny):  # noqa: F811
@@ -51,18 +68,20 @@ def test_greedy_output_equals_no_speculation(tiny):  # noqa: F811
               SamplingParams(temperature=0.0, max_tokens=28, n=2, ignore_eos=True,
                              stop_token_ids=[base[3].outputs[0].token_ids[21]])]
     want = summary(plain(tiny).generate(prompts, params))
-    sync = graph_llm(tiny, pipelined=False)
-    assert summary(sync.generate(prompts, params)) == want
     llm = graph_llm(tiny)
-    assert summary(llm.generate(prompts, params)) == want
     engine = llm.engine
-    assert engine.num_pipelined_verify_steps >= 10 and sync.engine.num_pipelined_verify_steps == 0
+    drafter = engine.runner.drafter
+    sync, sync_accepted = synchronous(llm, prompts, params)
+    assert sync == want
+    graph_proposals = drafter.num_graph_proposals
+    assert summary(llm.generate(prompts, params)) == want
+    assert engine.num_pipelined_verify_steps >= 10
     assert engine.runner.num_verify_graph_steps == engine.num_pipelined_verify_steps  # greedy: one graph a step
     # the device's proposals are the host's: the same drafts accepted, position by position
-    assert engine.spec_stats.accepted_per_pos == sync.engine.spec_stats.accepted_per_pos
+    assert engine.spec_stats.accepted_per_pos == sync_accepted
     assert engine.spec_stats.num_accepted_tokens > 10
-    drafter = engine.runner.drafter
-    assert drafter.num_eager_proposals == 0 and drafter.num_graph_proposals > engine.num_pipelined_verify_steps
+    assert drafter.num_eager_proposals == 0
+    assert drafter.num_graph_proposals - graph_proposals > engine.num_pipelined_verify_steps
     assert engine.counters()["spec_decode_pipelined_steps_total"] == engine.num_pipelined_verify_steps
     assert engine.metrics()["spec_decode_pipelined"] == 1.0 and engine.metrics()["spec_verify_graphs_captured"] == 1.0
     assert engine.counters()["spec_decode_verify_graph_steps_total"] == engine.runner.num_verify_graph_steps
@@ -190,10 +209,10 @@ def test_seeded_sampling_pipelined_equals_no_speculation(tiny, mode, top_k):  # 
     params[3] = SamplingParams(temperature=1.0, seed=3, max_tokens=24, top_k=top_k,
                                stop=[text[len(text) // 2:len(text) // 2 + 4]])
     want = summary(plain(tiny).generate(prompts, params))
-    sync = graph_llm(tiny, pipelined=False, speculative_draft_sampling=mode)
-    assert summary(sync.generate(prompts, params)) == want
     llm = graph_llm(tiny, speculative_draft_sampling=mode)
     engine = llm.engine
+    sync, sync_accepted = synchronous(llm, prompts, params)
+    assert sync == want
     assert summary(llm.generate(prompts, params)) == want
     assert engine.num_pipelined_verify_steps >= 10
     assert engine.runner.num_seeded_launches == engine.num_pipelined_verify_steps  # every batch had a seeded one
@@ -203,7 +222,7 @@ def test_seeded_sampling_pipelined_equals_no_speculation(tiny, mode, top_k):  # 
     else:
         assert sampled_graph_steps == engine.num_pipelined_verify_steps
     # the same drafts accepted as the synchronous steps, position by position
-    assert engine.spec_stats.accepted_per_pos == sync.engine.spec_stats.accepted_per_pos
+    assert engine.spec_stats.accepted_per_pos == sync_accepted
     while engine.has_work():
         engine.step()
     assert engine._verify_in_flight is None and engine.kv.usage == 0.0 and not engine.runner.drafter.states
