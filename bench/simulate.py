@@ -596,13 +596,14 @@ class Simulation:
                 if rep.role == "decode" and self.local_chunk_itl is not None:
                     room = self.local_chunk_itl * self.itl_target - gpu[i] * (batch[i] > 0)
                     chunk = min(chunk, max(64.0, room / self.c.prefill_seconds(1.0, head)))
+                bounded = False
                 if rep.role == "colocated" and self.chunk_caps is not None:
-                    chunk = min(chunk, self._replayed_cap(now))
+                    chunk, bounded = self._capped_chunks(rep, chunk, self._replayed_cap(now))
                 elif rep.role == "colocated" and self.chunk_step_s is not None:
                     if self.chunk_sizer:  # the engine's own sizer: what it has learned so far
                         if rep.sizer is None:
                             rep.sizer = ChunkSizer(self.chunk_step_s, self.c.max_batched_tokens)
-                        chunk = min(chunk, float(rep.sizer.cap))
+                        chunk, bounded = self._capped_chunks(rep, chunk, float(rep.sizer.cap))
                     else:  # the tokens that fill the target exactly
                         chunk = min(chunk, max(16.0, self.c.chunk_tokens(self.chunk_step_s, batch[i], gpu[i],
                                                                          host[i], head)))
@@ -620,7 +621,7 @@ class Simulation:
                     rep.sizer_steps += dt / with_chunk
                     while rep.sizer_steps >= 1.0:
                         rep.sizer_steps -= 1.0
-                        rep.sizer.observe(int(round(chunk)), chunk >= rep.sizer.cap, float(compute))
+                        rep.sizer.observe(int(round(chunk)), bounded, float(compute))
         if now >= self._next_cap_sample:
             self._next_cap_sample += CAP_SAMPLE_S
             caps = [self._replayed_cap(now) if self.chunk_caps is not None else float(rep.sizer.cap)
@@ -654,6 +655,25 @@ class Simulation:
                 self.state[rid] = DONE
                 self.replicas[self.decode_of[rid]].kv_used -= float(self.r["prompt"][rid] + self.r["output"][rid])
                 self._next_client_request(float(self.finished[rid]))
+
+    def _capped_chunks(self, rep: Replica, room: float, cap: float) -> tuple[float, bool]:
+        """The prompt tokens a colocated step carries when the cap bounds each prompt's chunk, as
+        the engine's scheduler applies it (``Scheduler.chunk_cap``: per request; the step packs
+        prompts in order up to ``room``, its token budget left by decoding requests), and whether
+        it cut some prompt at the cap: only such a step teaches the engine's ``ChunkSizer``
+        (``StepLoop._size_chunks``), so a cap above every prompt stops growing, as the served
+        one did (4,096 tokens under 3,000-token prompts, where a cap over the whole step grew to
+        the budget). The queue head counts whole, as ``room`` does (the chunk as the step began)."""
+        total, bounded = 0.0, False
+        for j, rid in enumerate(rep.queue):
+            if total >= room:
+                break
+            prompt = float(self.r["prompt"][rid])
+            take = min(prompt, cap, room - total)
+            left = prompt - rep.head_done if j == 0 else prompt
+            bounded = bounded or (left > cap and take >= cap)
+            total += take
+        return total, bounded
 
     def _replayed_cap(self, now: float) -> float:
         """The replayed served cap at ``now`` (``chunk_caps``)."""

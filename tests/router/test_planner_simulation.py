@@ -453,6 +453,33 @@ def test_a_colocated_replica_can_cut_its_chunks_with_the_engines_own_chunk_sizer
     assert [c for _, c in replayed.cap_samples[:2]] == [256.0, 40.0]
 
 
+def test_the_cap_bounds_each_prompt_and_only_a_cut_prompt_teaches_the_sizer():
+    """As the engine's scheduler applies it (``Scheduler.chunk_cap``), the cap bounds each prompt's
+    chunk, not the step's: a step packs prompts in order up to its budget, and only a step that cut
+    a prompt at the cap teaches the sizer (``StepLoop._size_chunks``). So prompts shorter than the
+    cap stop its growth, as the served GPU replica's stopped at 4,096 tokens under 3,000-token
+    prompts (a cap over the whole step grew on to the budget)."""
+    from collections import deque
+
+    n = 24
+    reqs = {"arrival": np.zeros(n), "prompt": np.full(n, 300.0), "output": np.full(n, 40.0),
+            "phase": np.zeros(n, dtype=int)}
+    sim = Simulation(_costs(), reqs, prefill=0, decode=1, colocated=True, dt=0.002, concurrency=8,
+                     chunk_step_s=1.0, chunk_sizer=True)
+    rep = sim.replicas[0]
+    rep.queue, rep.head_done = deque([0, 1, 2]), 100.0
+    sim.r = {**reqs, "prompt": np.array([1000.0, 300.0, 300.0] + [300.0] * (n - 3))}
+    assert sim._capped_chunks(rep, 8192.0, 512.0) == (512.0 + 300.0 + 300.0, True)  # the head cut at 512
+    assert sim._capped_chunks(rep, 600.0, 512.0) == (600.0, True)  # the budget ends the step
+    assert sim._capped_chunks(rep, 8192.0, 2000.0) == (1600.0, False)  # nothing cut: nothing learned
+    rep.queue, rep.head_done, sim.r = deque(), 0.0, reqs
+    # far inside the step target: 300-token prompts take the cap from 256 to 512 (one cut), no further
+    out = sim.run()
+    assert out["completed"] == out["requests"] == n
+    assert rep.sizer is not None and rep.sizer.cap == 512
+    assert max(c for _, c in sim.cap_samples) == 512
+
+
 def test_the_cpu_validation_compares_the_learned_chunk_cap_with_the_served_one():
     """The served cap's learned mean counts from its first sample off the sizer's first cap;
     a run that never learned (no step beside decoding requests) has none."""
