@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.conftest import httpx
+from tests.e2e.conftest import Cluster, httpx
 
 pytestmark = pytest.mark.e2e
 BASE = "http://127.0.0.1:8000"
@@ -69,12 +69,8 @@ def test_default_app_answers_the_openai_client(served):
     assert streamed == reply.choices[0].message.content
     # /health answers once a replica can serve (a decode replica prefills alone); on a busy
     # machine the prefill replica may still be loading then: it reports within a minute
-    deadline = time.monotonic() + 60
-    while True:
-        backends = httpx.get(f"{BASE}/v1/backends", timeout=10).json()
-        if {b["role"] for b in backends} >= {"prefill", "decode"} or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    backends = Cluster._poll(lambda: httpx.get(f"{BASE}/v1/backends", timeout=10).json(),
+                             lambda rows: {b["role"] for b in rows} >= {"prefill", "decode"}, 60.0)
     assert {b["role"] for b in backends} >= {"prefill", "decode"}
     # Whether decode runs as CUDA graphs, per replica, with the reason when it does not.
     graphs = {b["role"]: b for b in backends if b["component"] == "cuda_graphs"}
