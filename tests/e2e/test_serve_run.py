@@ -12,6 +12,7 @@ import sys
 import time
 
 import openai
+import psutil
 import pytest
 
 from tests.e2e.conftest import Cluster, httpx
@@ -81,6 +82,13 @@ def test_default_app_answers_the_openai_client(served):
                      metrics, re.M), metrics
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return f"pid {pid} (gone)"
+
+
 def test_idle_service_leaves_the_cpu_idle(served):
     """With no request in flight the default service (``auto`` transport) starts no busy-polling
     NIXL agent on one node: its UCX progress threads kept about 1.5 of 2 cores busy (1.0 measured
@@ -92,10 +100,18 @@ def test_idle_service_leaves_the_cpu_idle(served):
     floor on this machine."""
     from bench.common import cpu_by_group, process_cpu_seconds
 
+    # Idle is a steady state: the median of three windows, as bench/idle_cpu.py reports. One window
+    # alone failed in CI (0.68 core: 0.40 in processes no group names, 0.22 in the dashboard) while
+    # the other test worker loaded the machine; a process born mid-window counts all its start-up
+    # CPU, so the message names those that were.
     time.sleep(3.0)  # let the first requests' work drain
-    window = 10.0
-    before = process_cpu_seconds(served.pid)
-    time.sleep(window)
-    used = {group: t / window for group, t in cpu_by_group(before, process_cpu_seconds(served.pid)).items()}
-    top = sorted(used.items(), key=lambda kv: -kv[1])[:5]
-    assert sum(used.values()) < 0.5, f"idle service used {sum(used.values()):.2f} cores: {top}"
+    window, totals, detail = 6.0, [], []
+    for _ in range(3):
+        before = process_cpu_seconds(served.pid)
+        time.sleep(window)
+        after = process_cpu_seconds(served.pid)
+        used = {group: t / window for group, t in cpu_by_group(before, after).items()}
+        totals.append(sum(used.values()))
+        born = [_cmdline(pid)[:80] for pid in after.keys() - before.keys()]
+        detail.append((round(totals[-1], 2), sorted(used.items(), key=lambda kv: -kv[1])[:4], born))
+    assert sorted(totals)[1] < 0.5, f"idle service used a median {sorted(totals)[1]:.2f} cores: {detail}"
