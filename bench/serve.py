@@ -17,7 +17,12 @@ Measured per request: TTFT (send to the first chunk carrying text), ITL (every g
 such chunks), end-to-end latency, TPOT ((e2e - TTFT) / (output tokens - 1)) and token counts.
 Reported: mean/p50/p90/p99/max of each, request and token throughput, and goodput: requests per
 second that met both targets, TTFT <= ``--ttft-target-s`` and TPOT <= ``--itl-target-s`` (the
-per-request mean inter-token latency, as vLLM's goodput counts it). Other scripts call
+per-request mean inter-token latency, as vLLM's goodput counts it). With ``--server-timings``
+(this project's servers) each request also keeps the server's own account of its time
+(``return_timings``: preparation, TTFT and e2e at the front end, the workers' queue, prefill,
+KV transfer and first decode step), and each part is summarized like the client's figures, with
+``outside_ttft_s``: the client's TTFT less the front end's (HTTP, the proxy, the stream back).
+Other scripts call
 ``run_benchmark(BenchConfig(...))``, which returns the result dict that ``--out`` writes.
 """
 from __future__ import annotations
@@ -76,6 +81,9 @@ class BenchConfig:
     api_key: str | None = None
     timeout_s: float = 600.0
     command: str = ""
+    #: Ask for each choice's ``timings`` (``return_timings``, this project's extension: where the
+    #: request's time went on the server) and keep them per request; other servers ignore it.
+    server_timings: bool = False
 
 
 @dataclass
@@ -87,6 +95,8 @@ class RequestRecord:
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    #: The server's own account of the request (``BenchConfig.server_timings``), seconds by part.
+    server_timings: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -147,6 +157,8 @@ async def _send(http: httpx.AsyncClient, config: BenchConfig, prompt: str | list
                             "stream_options": {"include_usage": True}}
     if config.ignore_eos:
         body["ignore_eos"] = True
+    if config.server_timings:
+        body["return_timings"] = True
     record = RequestRecord(prompt_tokens=prompt_len)
     start = time.perf_counter()
     record.start_s = start - t0
@@ -168,6 +180,9 @@ async def _send(http: httpx.AsyncClient, config: BenchConfig, prompt: str | list
                 if data.get("usage"):
                     record.prompt_tokens = data["usage"].get("prompt_tokens", prompt_len)
                     record.output_tokens = data["usage"].get("completion_tokens", chunks)
+                for c in data.get("choices") or []:
+                    if c.get("timings"):
+                        record.server_timings = c["timings"]
                 if any(c.get("text") for c in data.get("choices") or []):
                     chunks += 1
                     if last is None:
@@ -227,6 +242,12 @@ def summarize(config: BenchConfig, records: list[RequestRecord], duration_s: flo
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     duration = max(duration_s, 1e-9)
+    timed = [(r, r.server_timings) for r in ok if r.server_timings]
+    server: dict[str, Any] = {}
+    if timed:
+        for part in sorted({k for _, t in timed for k in t}):
+            server[part] = latency_stats([t[part] for _, t in timed if part in t])
+        server["outside_ttft_s"] = latency_stats([(r.ttft_s or 0.0) - t["ttft"] for r, t in timed if "ttft" in t])
     return {
         "label": config.label, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": config.command, "endpoint": config.base_url, "model": config.model,
@@ -243,9 +264,11 @@ def summarize(config: BenchConfig, records: list[RequestRecord], duration_s: flo
         "itl_s": latency_stats([gap for r in ok for gap in r.itl_s]),
         "tpot_s": latency_stats([t for r in ok if (t := r.tpot_s) is not None]),
         "e2e_s": latency_stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        **({"server_timings_s": server} if server else {}),
         "requests": [{"start_s": round(r.start_s, 6), "ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "tpot_s": r.tpot_s,
                       "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens, "error": r.error,
-                      "itl_s": [round(g, 6) for g in r.itl_s]} for r in records],
+                      "itl_s": [round(g, 6) for g in r.itl_s],
+                      **({"server_timings": r.server_timings} if r.server_timings else {})} for r in records],
     }
 
 
@@ -329,6 +352,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--token-id-range", type=int, nargs=2, default=(100, 1000), metavar=("LO", "HI"))
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (plain OpenAI)")
+    p.add_argument("--server-timings", action="store_true",
+                   help="ask for each request's server-side timings (return_timings: this project's extension) "
+                        "and keep them per request")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests first")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--timeout-s", type=float, default=600.0)
@@ -361,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ttft_target_s=args.ttft_target_s, itl_target_s=args.itl_target_s, seed=args.seed, label=args.label,
         prompt_kind=args.prompt_kind, token_id_range=tuple(args.token_id_range), temperature=args.temperature,
         ignore_eos=not args.no_ignore_eos, warmup=args.warmup, api_key=args.api_key, timeout_s=args.timeout_s,
-        command=shlex.join(["python", "bench/serve.py", *argv]))
+        server_timings=args.server_timings, command=shlex.join(["python", "bench/serve.py", *argv]))
     result = run_benchmark(config)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

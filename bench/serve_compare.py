@@ -105,16 +105,20 @@ def stop(proc: subprocess.Popen[str]) -> None:
 
 def with_cpu(root_pid: int, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``run()``'s result with the CPU seconds every process spent during it (``cpu``): the
-    server's processes by group, the load generator (this process), the engine replica's threads
+    server's processes (``root_pid`` and its descendants; this process may be their root, as
+    where Ray runs in it) by group, the load generator (this process), the engine replica's threads
     by name, and the share of the machine's cores each group used (seconds / wall / cores)."""
     me = psutil.Process()
-    before, client_before = process_cpu_seconds(root_pid), sum(me.cpu_times()[:2])
+
+    def servers() -> dict[int, tuple[str, float]]:  # the load generator's own process counts apart
+        return {pid: v for pid, v in process_cpu_seconds(root_pid).items() if pid != me.pid}
+    before, client_before = servers(), sum(me.cpu_times()[:2])
     engine_pids = [pid for pid, (group, _) in before.items() if group in ("decode replica", "local server")]
     threads_before = {pid: thread_cpu_seconds(pid) for pid in engine_pids}
     began = time.perf_counter()
     result = run()
     wall = time.perf_counter() - began
-    groups = cpu_by_group(before, process_cpu_seconds(root_pid))
+    groups = cpu_by_group(before, servers())
     groups["load generator"] = sum(me.cpu_times()[:2]) - client_before
     threads: dict[str, float] = {}
     for pid, was in threads_before.items():
@@ -193,7 +197,8 @@ def with_metrics(url: str, run: Callable[[], dict[str, Any]], period_s: float = 
 def _workload(args: argparse.Namespace) -> dict[str, Any]:
     """The workload fields every run shares: the same seed gives the same prompts and output lengths."""
     return dict(input_len=args.input_len, output_len=args.output_len, input_len_range=0.5,
-                ttft_target_s=args.ttft_target_s, itl_target_s=args.itl_target_s, seed=args.seed, warmup=2)
+                ttft_target_s=args.ttft_target_s, itl_target_s=args.itl_target_s, seed=args.seed, warmup=2,
+                server_timings=True)
 
 
 def run_one(kind: str, args: argparse.Namespace) -> dict[str, Any]:

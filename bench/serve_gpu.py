@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
 from bench.serve import BenchConfig, build_prompts, run_benchmark  # noqa: E402
-from bench.serve_compare import metric_values, with_metrics  # noqa: E402
+from bench.serve_compare import metric_values, with_cpu, with_metrics  # noqa: E402
 
 WIDTH = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
          "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -112,11 +112,13 @@ def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port
     before = scrape(cluster.base_url)
     common = dict(base_url=cluster.base_url, model=os.path.basename(args.model_dir), input_len=args.input_len,
                   output_len=args.output_len, input_len_range=0.5, output_len_range=0.5,
-                  ttft_target_s=args.ttft_target_s, itl_target_s=args.itl_target_s, seed=1, warmup=2)
+                  ttft_target_s=args.ttft_target_s, itl_target_s=args.itl_target_s, seed=1, warmup=2,
+                  server_timings=True)
     runs = {}
     for rate in args.rates:
-        r = with_metrics(cluster.base_url, lambda rate=rate: run_benchmark(  # type: ignore[misc]
-            BenchConfig(**common, num_requests=args.num_requests, rate=rate, label=f"{name}-rate{rate}")))
+        # Ray runs in this process: its processes (the replicas, the proxy, the GCS) are our children
+        r = with_metrics(cluster.base_url, lambda rate=rate: with_cpu(os.getpid(), lambda: run_benchmark(  # type: ignore[misc]
+            BenchConfig(**common, num_requests=args.num_requests, rate=rate, label=f"{name}-rate{rate}"))))
         runs[str(rate)] = r
         print(f"{name} rate {rate}: {r['completed']} done, {r['failed']} failed {r['errors']}; TTFT p50 "
               f"{r['ttft_s']['p50']}s ITL p50 {r['itl_s']['p50']}s goodput {r['goodput_rps']:.2f}/s "

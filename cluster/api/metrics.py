@@ -118,12 +118,16 @@ class ReplicaStatsCollector:
 
 
 class SampleTimer:
-    """Observes one sample's outputs as they arrive: TTFT, its breakdown, ITL, e2e, tokens."""
+    """Observes one sample's outputs as they arrive: TTFT, its breakdown, ITL, e2e, tokens; and
+    keeps them for the sample's ``timings`` (a request's ``return_timings``)."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
         self._start = time.monotonic()
+        self._first_token: float | None = None
         self._last_token: float | None = None
+        self._end: float | None = None
+        self._parts: dict[str, float] = {}
         self._done = False
 
     def on_output(self, out: StepOutput) -> None:
@@ -131,10 +135,12 @@ class SampleTimer:
         m = self._metrics
         if out.new_token_ids:
             if self._last_token is None:
+                self._first_token = now
                 m.ttft.observe(now - self._start)
                 for key, histogram in m.ttft_parts.items():
                     if key in out.timings:
                         histogram.observe(max(0.0, out.timings[key]))
+                self._parts = {key: max(0.0, value) for key, value in out.timings.items()}
             else:
                 m.itl.observe(now - self._last_token)
             self._last_token = now
@@ -147,8 +153,29 @@ class SampleTimer:
         if self._done:
             return
         self._done = True
-        self._metrics.e2e.observe(time.monotonic() - self._start)
+        self._end = time.monotonic()
+        self._metrics.e2e.observe(self._end - self._start)
         self._metrics.finished.labels(model_name=self._metrics.model_name, finished_reason=reason).inc()
+
+    def timings(self, received: float) -> dict[str, float]:
+        """Where the sample's time went, in seconds, for a request received at ``received``
+        (``time.monotonic()``): ``prepare`` (tokenising, templating, checks: received until its
+        samples were sent), ``ttft`` and ``e2e`` (received until the first token, the last output,
+        here at the front end); and as the workers reported them with the first token:
+        ``queue`` (until the first engine step computing the prompt: from the front end's
+        hand-off where the decode worker prefills it, from the prefill worker's intake where a
+        prefill worker does, then equal to ``prefill_queue``), ``prefill_queue``,
+        ``prefill_compute``, ``transfer`` and ``first_decode`` (a prompt a prefill worker
+        computed), ``worker_ttft`` (the decode worker's own, from when it took the sample).
+        Samples after a prompt's first carry only ``worker_ttft`` of those."""
+        out = {"prepare": self._start - received}
+        if self._first_token is not None:
+            out["ttft"] = self._first_token - received
+        if self._end is not None:
+            out["e2e"] = self._end - received
+        for key, value in self._parts.items():
+            out["worker_ttft" if key == "ttft" else key] = value
+        return {key: round(max(0.0, value), 6) for key, value in out.items()}
 
 
 class ServerMetrics:

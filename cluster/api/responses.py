@@ -44,6 +44,9 @@ class ChoiceState:
     num_cached_tokens: int = 0
     #: Whether a stream chunk has been sent for this choice (chat: the first carries the role).
     started: bool = False
+    #: Where the choice's time went (``SampleTimer.timings``), once it finished, if the request
+    #: asked (``return_timings``); its last stream chunk or its whole response carries them.
+    timings: dict[str, float] | None = None
 
     @property
     def text(self) -> str:
@@ -90,7 +93,8 @@ class CompletionFormat:
         return CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[
             CompletionChoice(index=choice.index, text=delta,
                              logprobs=self._logprobs(choice, token_ids, positions),
-                             finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)])
+                             finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                             timings=choice.timings if choice.finish_reason else None)])
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[],
@@ -101,7 +105,8 @@ class CompletionFormat:
                                   choices=[CompletionChoice(
                                       index=c.index, text=c.text,
                                       logprobs=self._logprobs(c, c.token_ids, c.positions),
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                      timings=c.timings)
                                       for c in choices])
 
 
@@ -123,7 +128,8 @@ class ChatFormat:
                                content=delta if delta or not choice.started else None)
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[
             ChatStreamChoice(index=choice.index, delta=message, logprobs=self._logprobs(token_ids, positions),
-                             finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)])
+                             finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                             timings=choice.timings if choice.finish_reason else None)])
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[],
@@ -134,5 +140,6 @@ class ChatFormat:
                                       choices=[ChatChoice(
                                           index=c.index, message=AssistantMessage(content=c.text),
                                           logprobs=self._logprobs(c.token_ids, c.positions),
-                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                          timings=c.timings)
                                           for c in choices])

@@ -97,6 +97,11 @@ class SampleStreams:
             if aclose is not None:
                 await aclose()
 
+    def timings(self, choice: int, received: float) -> dict[str, float]:
+        """Where choice ``choice``'s time went, for a request received at ``received``
+        (``SampleTimer.timings``)."""
+        return self._timers[choice].timings(received)
+
     async def next(self) -> tuple[int, StepOutput]:
         """The next output of any sample; raises what a sample's iterator raised, or
         RequestTimeoutError past the deadline. Call only while not ``done``."""

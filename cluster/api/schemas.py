@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from cluster.common.errors import InvalidRequestError
 from cluster.common.sampling_params import SamplingParams
@@ -58,6 +58,9 @@ class SamplingFields(_Request):
     return_tokens_as_token_ids: bool = False
     #: Seconds from arrival after which the request is aborted (504); our extension.
     timeout: float | None = None
+    #: Each choice carries ``timings``: where its time went (``cluster.api.metrics.SampleTimer``);
+    #: our extension, as llama.cpp's server reports ``timings`` and SGLang's ``meta_info``.
+    return_timings: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -224,6 +227,21 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class _TimedChoice(BaseModel):
+    """A choice that carries ``timings`` (seconds, by part) when the request asked for them
+    (``return_timings``); the field is left out of the body otherwise."""
+
+    timings: dict[str, float] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked_timings(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body: dict[str, Any] = handler(self)
+        timings = body.pop("timings", None)
+        if timings is not None:
+            body["timings"] = timings  # last, after the fields every client reads
+        return body
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -231,7 +249,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TimedChoice):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -268,7 +286,7 @@ class AssistantMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_TimedChoice):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
@@ -291,7 +309,7 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_TimedChoice):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None

@@ -96,15 +96,17 @@ class OpenAIServing:
     # --- endpoints ------------------------------------------------------------------------------
 
     async def completions(self, request: CompletionRequest, request_id: str) -> Response:
+        received = time.monotonic()
         self.check_model(request.model)
         params = request.to_sampling_params(self.request_timeout_s)
         prompts = await self._completion_prompts(request)
         texts = self.texts_as_ids if request.return_tokens_as_token_ids else self.texts
         fmt = CompletionFormat(request_id, int(time.time()), self.model_name, texts, request.logprobs)
         return await self._serve(request_id, prompts, params, "prompt", fmt, request.stream,
-                                 request.include_usage)
+                                 request.include_usage, received if request.return_timings else None)
 
     async def chat(self, request: ChatCompletionRequest, request_id: str) -> Response:
+        received = time.monotonic()
         self.check_model(request.model)
         params = request.to_sampling_params(self.request_timeout_s)
         messages = [m.to_template_dict() for m in request.messages]
@@ -117,7 +119,7 @@ class OpenAIServing:
         texts = self.texts_as_ids if request.return_tokens_as_token_ids else self.texts
         fmt = ChatFormat(request_id, int(time.time()), self.model_name, texts, num_top)
         return await self._serve(request_id, [prompt], params, "messages", fmt, request.stream,
-                                 request.include_usage)
+                                 request.include_usage, received if request.return_timings else None)
 
     # --- preparing samples --------------------------------------------------------------------------
 
@@ -194,7 +196,8 @@ class OpenAIServing:
     # --- running them -------------------------------------------------------------------------------
 
     async def _serve(self, request_id: str, prompts: list[Prompt], params: SamplingParams, param: str,
-                     fmt: ResponseFormat, stream: bool, include_usage: bool) -> Response:
+                     fmt: ResponseFormat, stream: bool, include_usage: bool, timed_from: float | None) -> Response:
+        """``timed_from``: when the request was received, if it asked for its choices' timings."""
         requests, choices = self._fan_out(request_id, prompts, params, param)
         prompt_lens = [len(p.token_ids) for p in prompts]
         self.metrics.prompt_tokens.inc(sum(prompt_lens))
@@ -203,6 +206,8 @@ class OpenAIServing:
             async with streams:
                 async for index, out in streams:
                     _apply(choices[index], out, keep_logprobs=params.logprobs is not None)
+                    if out.finished and timed_from is not None:
+                        choices[index].timings = streams.timings(index, timed_from)
             body = fmt.response(choices, usage_of(choices, prompt_lens))
             return Response(body.model_dump_json(), media_type="application/json")
         streams.start()
@@ -212,17 +217,19 @@ class OpenAIServing:
         except BaseException:
             await streams.aclose()
             raise
-        events = self._events(streams, first, choices, fmt, prompt_lens, include_usage)
+        events = self._events(streams, first, choices, fmt, prompt_lens, include_usage, timed_from)
         return _SSEResponse(events, streams)
 
     async def _events(self, streams: SampleStreams, first: tuple[int, StepOutput],
                       choices: list[ChoiceState], fmt: ResponseFormat, prompt_lens: list[int],
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, timed_from: float | None) -> AsyncIterator[str]:
         try:
             index, out = first
             while True:
                 choice = choices[index]
                 new_text = _apply(choice, out, keep_logprobs=False)
+                if out.finished and timed_from is not None:
+                    choice.timings = streams.timings(index, timed_from)
                 if new_text or out.new_token_ids or out.finished:
                     chunk = fmt.chunk(choice, choice.take_delta(), out.new_token_ids, out.new_logprobs)
                     choice.started = True

@@ -46,6 +46,29 @@ def test_run_benchmark_reports_latencies_and_goodput(fake, base_url, bench, mode
     assert all(q.sampling_params.ignore_eos and q.sampling_params.max_tokens == 5 for q in fake.requests)
 
 
+def test_server_timings_are_kept_per_request_and_summarized(fake, base_url, bench):
+    """``server_timings``: each record keeps the server's ``timings`` (from the choice's last chunk)
+    and the result summarizes each part, and the client's TTFT beyond the front end's; without
+    it, nothing is asked or kept."""
+    parts = {"prefill_queue": 0.001, "prefill_compute": 0.002, "transfer": 0.0005, "first_decode": 0.0007,
+             "queue": 0.001, "ttft": 0.004}
+    fake.script = lambda request: Script(delay=0.005, timings=dict(parts))
+    common = dict(base_url=base_url, model=SERVED_NAME, num_requests=3, input_len=6, output_len=4,
+                  token_id_range=(3, 200), concurrency=2, warmup=0)
+    result = bench.run_benchmark(bench.BenchConfig(**common, server_timings=True))
+    assert result["completed"] == 3
+    for record in result["requests"]:
+        t = record["server_timings"]
+        assert {k: t[k] for k in parts if k != "ttft"} == {k: v for k, v in parts.items() if k != "ttft"}
+        assert t["worker_ttft"] == parts["ttft"]
+        assert 0 <= t["prepare"] <= t["ttft"] <= record["ttft_s"] and t["ttft"] <= t["e2e"] <= record["e2e_s"]
+    summary = result["server_timings_s"]
+    assert summary["prefill_compute"]["p50"] == pytest.approx(parts["prefill_compute"])
+    assert 0 <= summary["outside_ttft_s"]["p50"] <= result["ttft_s"]["p50"]
+    plain = bench.run_benchmark(bench.BenchConfig(**common))
+    assert "server_timings_s" not in plain and not any("server_timings" in r for r in plain["requests"])
+
+
 def test_goodput_counts_only_requests_within_targets(fake, base_url, bench):
     fake.script = lambda request: Script(delay=0.02)
     config = bench.BenchConfig(base_url=base_url, model=SERVED_NAME, num_requests=3, input_len=4, output_len=3,
