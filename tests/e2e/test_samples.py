@@ -183,3 +183,49 @@ def test_many_multi_sample_requests_at_once(served, model_dir, offline):
         values = served.wait_for_metric(f"cluster:prefill_requests_{state}", lambda v: v and max(v) == 0.0,
                                         role="prefill")
         assert values and max(values) == 0.0, state
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_choices_say_where_their_time_went(served, model_dir, stream):
+    """``return_timings`` through the served app, for a prompt list with ``n=2``: every choice has
+    the front end's ``prepare``, ``ttft`` and ``e2e``; a prompt's first sample, prefilled by the
+    prefill replica, the workers' breakdown (its queue, compute, KV transfer and first decode
+    step, all within its TTFT); the forked sample its decode worker's TTFT. The tokens are those
+    of a request without the flag."""
+    model = model_name(model_dir)
+
+    async def ask(extra):
+        client = _client(served)
+        try:
+            if not stream:
+                resp = await _timed(client.completions.create(model=model, prompt=PROMPTS[:2], n=2, seed=77,
+                                                              max_tokens=MAX_TOKENS, temperature=0.9,
+                                                              extra_body=extra))
+                return {c.index: (c.text, (c.model_extra or {}).get("timings")) for c in resp.choices}
+            got: dict[int, tuple[str, dict | None]] = {}
+            async for chunk in await client.completions.create(model=model, prompt=PROMPTS[:2], n=2, seed=77,
+                                                                 max_tokens=MAX_TOKENS, temperature=0.9,
+                                                                 stream=True, extra_body=extra):
+                for c in chunk.choices:
+                    text, _ = got.get(c.index, ("", None))
+                    got[c.index] = (text + c.text, (c.model_extra or {}).get("timings"))
+            return got
+        finally:
+            await client.close()
+    got = asyncio.run(ask({"ignore_eos": True, "return_timings": True}))
+    assert sorted(got) == [0, 1, 2, 3]
+    plain = asyncio.run(ask({"ignore_eos": True}))
+    assert {i: text for i, (text, _) in got.items()} == {i: text for i, (text, _) in plain.items()}
+    assert all(t is None for _, t in plain.values())
+    for index, (_, t) in got.items():
+        assert t is not None, f"choice {index} carries no timings"
+        assert 0.0 <= t["prepare"] <= t["ttft"] <= t["e2e"] < WITHIN_S
+        assert 0.0 < t["worker_ttft"] <= t["ttft"]
+        if index % 2 == 0:  # sample 0 of its prompt: computed on the prefill replica
+            assert {"queue", "prefill_queue", "prefill_compute", "transfer", "first_decode"} <= set(t)
+            assert t["queue"] == t["prefill_queue"] and t["prefill_compute"] > 0.0
+            assert t["prefill_queue"] + t["prefill_compute"] + t["transfer"] + t["first_decode"] <= t["ttft"]
+        else:  # forked from sample 0's KV on the decode replica
+            assert "prefill_compute" not in t
+    assert sum(len(text) for text, _ in got.values()) > 0
+    assert len({text for text, _ in got.values()}) > 1  # seeded samples differ
