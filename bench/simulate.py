@@ -378,6 +378,7 @@ class Simulation:
         self.finished = np.full(n, np.nan)
         self.ready = np.full(n, np.inf)  # transfer done
         self.prefill_start = np.full(n, np.nan)
+        self.prefill_done = np.full(n, np.nan)  # the step computing the prompt's end ended
         self.enqueued = np.full(n, np.nan)  # joined a prefill queue (after the decode admitted it)
         self.replicas: list[Replica] = []
         self.gpus = gpus if gpus is not None else (decode if colocated else prefill + decode)
@@ -477,6 +478,7 @@ class Simulation:
             self._enqueue(min(room, key=lambda i: self.replicas[i].queued_tokens), rid)
 
     def _complete_prefill(self, rep: Replica, rid: int, done_at: float) -> None:
+        self.prefill_done[rid] = done_at
         prompt = float(self.r["prompt"][rid])
         landed = done_at if rep.role != "prefill" else done_at + self.c.transfer_seconds(prompt)
         self.first_token[rid] = landed + self.c.first_token_delay(float(self.last_step[self.decode_of[rid]]))

@@ -346,6 +346,42 @@ SERVED_CAP_SERIES = "cluster:prefill_chunk_cap{decode}"
 SIZER_FIRST_CAP = ChunkSizer(1.0, 1 << 30).cap
 
 
+#: The parts of a TTFT that the served run's own account of each request (``server_timings``:
+#: ``bench/serve.py --server-timings``) and the simulator can both name: the wait until the first
+#: step computing the prompt, that prompt's compute (its first step until the step computing its
+#: end), and the rest of the client's TTFT (the KV hand-over, the first decode step, and the host
+#: path: HTTP, the proxy, templating, routing, the stream back). Medians over the requests.
+TTFT_PARTS = ("queue", "prefill_compute", "rest")
+
+
+def measured_ttft_parts(row: dict[str, Any]) -> dict[str, float] | None:
+    """``TTFT_PARTS`` from the row's requests' ``server_timings`` (None where the run has none).
+    The queue is as the worker that computed the prompt measured it: from the front end's
+    hand-off (a decode replica prefilling) or from the prefill replica's intake; the host's part
+    before it is then in ``rest``, as the simulator prices it."""
+    parts = []
+    for r in row.get("requests") or []:
+        t = r.get("server_timings") or {}
+        if r.get("error") is None and r.get("ttft_s") is not None and "queue" in t:
+            compute = t.get("prefill_compute")
+            if compute is None:  # a decode replica prefilled it: its own TTFT less the queue (which
+                # began at the front end's hand-off, before the decode replica took the request)
+                compute = max(0.0, t.get("worker_ttft", t["queue"]) - t["queue"])
+            parts.append((t["queue"], compute, r["ttft_s"] - t["queue"] - compute))
+    if not parts:
+        return None
+    return {name: float(np.median([p[i] for p in parts])) for i, name in enumerate(TTFT_PARTS)}
+
+
+def simulated_ttft_parts(sim: Simulation) -> dict[str, float]:
+    """``TTFT_PARTS`` of a simulation's requests: arrival until its prefill began, until it ended,
+    until the first token."""
+    arrival = sim.r["arrival"]
+    queue, compute = sim.prefill_start - arrival, sim.prefill_done - sim.prefill_start
+    rest = sim.first_token - sim.prefill_done
+    return {name: float(np.nanmedian(x)) for name, x in zip(TTFT_PARTS, (queue, compute, rest))}
+
+
 def learned_cap_mean(samples: Sequence[Sequence[float]]) -> float | None:
     """The mean of a cap's samples from the first one off the sizer's first cap (once it has
     learned from a step beside decoding requests: down where such steps outlast the target, up
@@ -361,7 +397,7 @@ def served_caps(row: dict[str, Any]) -> list[list[float]] | None:
 
 
 def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int, chunks: str = "sizer"
-                 ) -> dict[str, float]:
+                 ) -> dict[str, Any]:
     """The row's closed-loop workload (``concurrency`` clients): the run's own requests where it
     recorded them (one deterministic run), else medians over ``seeds`` draws of its lengths. The
     prefill replica runs budget-packed steps (``Simulation.prefill_steps``), as the engine does.
@@ -374,7 +410,7 @@ def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int, chunk
     replay = served_caps(row) if chunks == "served" and mode == "colocated" else None
     if chunks == "served" and mode == "colocated" and not replay:
         raise ValueError("--chunks served needs a serving run that sampled the served chunk cap")
-    outs, caps = [], []
+    outs, caps, parts = [], [], []
     for requests in workloads:
         sim = Simulation(costs, requests, prefill=1, decode=1, colocated=mode == "colocated", dt=0.002,
                          ttft_target=cfg["ttft_target_s"], itl_target=cfg["itl_target_s"],
@@ -384,13 +420,15 @@ def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int, chunk
                          chunk_sizer=chunks == "sizer", chunk_caps=replay)
         outs.append(sim.run())
         caps.append(learned_cap_mean(sim.cap_samples))
-    out = {k: float(np.median([o[k] for o in outs])) for k in METRICS}
+        parts.append(simulated_ttft_parts(sim))
+    out: dict[str, Any] = {k: float(np.median([o[k] for o in outs])) for k in METRICS}
     learned = [c for c in caps if c is not None]
     out["chunk_cap_mean"] = float(np.median(learned)) if learned else float("nan")
+    out["ttft_parts"] = {k: float(np.median([p[k] for p in parts])) for k in TTFT_PARTS}
     return out
 
 
-def compare_row(name: str, sim: dict[str, float], row: dict[str, Any],
+def compare_row(name: str, sim: dict[str, Any], row: dict[str, Any],
                 fits: tuple[tuple[str, float, float, Any, str], ...], key: Any, predicted: list[float]
                 ) -> dict[str, Any]:
     """A served row against its simulation: the residuals, the metrics fitted on it, and the
@@ -404,6 +442,11 @@ def compare_row(name: str, sim: dict[str, float], row: dict[str, Any],
             predicted.append(abs(residual[k]))
     out: dict[str, Any] = {"fitted_on_this_row": fitted_on or None, "simulated": sim, "measured": meas,
                            "residual": residual}
+    served_parts = measured_ttft_parts(row)
+    if served_parts is not None and "ttft_parts" in sim:  # where the TTFT went, both sides (not counted)
+        out["ttft_parts"] = {"served": served_parts, "simulated": sim["ttft_parts"],
+                             "residual": {k: (sim["ttft_parts"][k] - v) / v if v else None
+                                          for k, v in served_parts.items()}}
     served = learned_cap_mean(served_caps(row) or [])
     if served is not None and np.isfinite(sim["chunk_cap_mean"]):  # the sizer's state, beside the client's view
         out["chunk_cap_mean"] = {"served": served, "simulated": sim["chunk_cap_mean"],
@@ -498,7 +541,7 @@ def own_gpu_costs(serve: dict[str, Any]) -> CpuCosts:
     return dataclasses.replace(costs, kv_tokens=float(serve["workload"]["kv_bytes"]) / costs.kv_bytes_per_token)
 
 
-def simulate_own_gpu(costs: Costs, serve: dict[str, Any], mode: str, rate: float, chunks: str) -> dict[str, float]:
+def simulate_own_gpu(costs: Costs, serve: dict[str, Any], mode: str, rate: float, chunks: str) -> dict[str, Any]:
     """One rate run replayed: its requests at their send times, one prefill and one decode replica
     sharing the GPU (disaggregated) or one replica (colocated, chunks as ``simulate_cpu``'s)."""
     row = serve["modes"][mode]["runs"][str(rate)]
@@ -510,8 +553,9 @@ def simulate_own_gpu(costs: Costs, serve: dict[str, Any], mode: str, rate: float
                      chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None,
                      chunk_sizer=chunks == "sizer", chunk_caps=replay)
     out = sim.run()
-    result = {k: float(out[k]) for k in METRICS}
+    result: dict[str, Any] = {k: float(out[k]) for k in METRICS}
     result["chunk_cap_mean"] = learned_cap_mean(sim.cap_samples) or float("nan")
+    result["ttft_parts"] = simulated_ttft_parts(sim)
     return result
 
 

@@ -492,6 +492,37 @@ def test_the_cpu_validation_compares_the_learned_chunk_cap_with_the_served_one()
     assert served_caps(row) == [[0.5, 30.0]] and served_caps({}) is None
 
 
+def test_the_validation_splits_each_ttft_as_the_served_requests_accounted_for_it():
+    """``TTFT_PARTS``: the served requests' own timings (``server_timings``) give each TTFT's queue,
+    prompt compute and rest (medians): a prefill replica's compute as it reported it, a decode
+    replica's as its own TTFT less the queue; a simulation gives the same parts from its
+    requests' times, which add up to its TTFTs."""
+    from bench.simulate_validation import TTFT_PARTS, measured_ttft_parts, simulated_ttft_parts
+    remote = {"queue": 0.01, "prefill_queue": 0.01, "prefill_compute": 0.2, "transfer": 0.02, "first_decode": 0.01,
+              "worker_ttft": 0.25, "prepare": 0.004, "ttft": 0.3, "e2e": 1.0}
+    rows = [{"ttft_s": 0.35, "error": None, "server_timings": dict(remote, queue=q, prefill_compute=c)}
+            for q, c in ((0.01, 0.2), (0.03, 0.1), (0.02, 0.3))]
+    rows.append({"ttft_s": None, "error": "HTTP 503", "server_timings": None})  # failed: not counted
+    parts = measured_ttft_parts({"requests": rows})
+    assert parts == pytest.approx({"queue": 0.02, "prefill_compute": 0.2, "rest": 0.14})
+    local = [{"ttft_s": 0.5, "error": None, "server_timings": {"queue": 0.1, "worker_ttft": 0.4, "ttft": 0.45}}]
+    assert measured_ttft_parts({"requests": local}) == pytest.approx({"queue": 0.1, "prefill_compute": 0.3,
+                                                                      "rest": 0.1})
+    assert measured_ttft_parts({"requests": [{"ttft_s": 0.5, "error": None}]}) is None  # asked for none
+    costs = _costs()
+    reqs = make_requests([Phase(10.0, 4.0, "chat")], seed=3)
+    sim = Simulation(costs, reqs, prefill=1, decode=1, dt=0.005, prefill_steps=True)
+    out = sim.run()
+    got = simulated_ttft_parts(sim)
+    assert set(got) == set(TTFT_PARTS) and all(v >= 0 for v in got.values())
+    ttft = sim.first_token - reqs["arrival"]
+    split = (sim.prefill_start - reqs["arrival"]) + (sim.prefill_done - sim.prefill_start) + (
+        sim.first_token - sim.prefill_done)
+    np.testing.assert_allclose(split, ttft)
+    assert got["prefill_compute"] > 0 and got["rest"] >= costs.first_token_delay(0.0)
+    assert out["ttft_p50"] == pytest.approx(float(np.median(ttft)))
+
+
 def test_the_serving_benchmark_samples_what_the_server_says_of_itself():
     """``bench/serve_compare.py``'s ``with_metrics``: while a run goes it samples /metrics (the
     decode replica's learned chunk cap, by role, over time) and records the TTFT breakdown's
