@@ -22,7 +22,9 @@ def environment() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         # PD_BENCH_COMMIT: the commit a copied tree was made from, where the copy's git is stale
         "commit": os.environ.get("PD_BENCH_COMMIT") or _git("rev-parse", "HEAD"),
-        "dirty": False if os.environ.get("PD_BENCH_COMMIT") else bool(_git("status", "--porcelain")),
+        # dirty: a tracked file differs from the commit (a run's own new outputs, untracked, do not count)
+        "dirty": False if os.environ.get("PD_BENCH_COMMIT") else bool(_git("status", "--porcelain",
+                                                                           "--untracked-files=no")),
         # the project's switches set for this run (PD_*: opt-in or opt-out fast paths), so an A/B
         # result says which side it measured
         "pd_switches": {k: v for k, v in sorted(os.environ.items())
