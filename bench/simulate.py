@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import environment, write_result  # noqa: E402
 from cluster.common.reporting import REPORT_PERIOD_S, arrival_rate_cv2  # noqa: E402
-from cluster.config import TransferConfig  # noqa: E402
+from cluster.config import SchedulerConfig, TransferConfig  # noqa: E402
 from cluster.engine.scheduler import ChunkSizer  # noqa: E402
 from cluster.router.planner import Demand, Observation, PlannerSettings, PlannerState, RoleLoad, plan  # noqa: E402
 
@@ -308,12 +308,18 @@ class Simulation:
                  local_prefill_wait: float | None = None, local_chunk_itl: float | None = None,
                  concurrency: int | None = None, max_time: float = 3600.0,
                  chunk_step_s: float | None = None, prefill_steps: bool = False, chunk_sizer: bool = False,
-                 chunk_caps: Sequence[Sequence[float]] | None = None) -> None:
+                 chunk_caps: Sequence[Sequence[float]] | None = None,
+                 chunks_per_step: bool = SchedulerConfig().sized_chunks_per_step) -> None:
         self.c, self.r, self.dt = costs, requests, dt
         #: Colocated replicas cut their prompt chunks with the engine's own ``ChunkSizer`` (starts
         #: at 256 tokens a step, learns only from steps beside decoding requests, grows at most 2x
         #: a step) aiming at ``chunk_step_s``, instead of the tokens that fill it exactly.
         self.chunk_sizer = chunk_sizer
+        #: What the cap (learned or replayed) bounds, as the served engine's
+        #: ``sized_chunks_per_step`` says (its default, as served): the step's prompt tokens
+        #: together, taken by the prompts in arrival order, so a second prompt waits while the
+        #: first takes the cap (True); or each prompt's chunk (False).
+        self.chunks_per_step = chunks_per_step
         #: Or a served replica's cap as it was sampled (``[seconds since the run began, tokens]``,
         #: the gauge ``cluster:prefill_chunk_cap``), replayed: each step takes the latest sample's
         #: (before the first, the sizer's first cap).
@@ -659,13 +665,18 @@ class Simulation:
                 self._next_client_request(float(self.finished[rid]))
 
     def _capped_chunks(self, rep: Replica, room: float, cap: float) -> tuple[float, bool]:
-        """The prompt tokens a colocated step carries when the cap bounds each prompt's chunk, as
-        the engine's scheduler applies it (``Scheduler.chunk_cap``: per request; the step packs
-        prompts in order up to ``room``, its token budget left by decoding requests), and whether
-        it cut some prompt at the cap: only such a step teaches the engine's ``ChunkSizer``
-        (``StepLoop._size_chunks``), so a cap above every prompt stops growing, as the served
-        one did (4,096 tokens under 3,000-token prompts, where a cap over the whole step grew to
-        the budget). The queue head counts whole, as ``room`` does (the chunk as the step began)."""
+        """The prompt tokens a colocated step carries under the cap, as the engine's scheduler
+        applies it, and whether the cap bounded the step: only such a step teaches the engine's
+        ``ChunkSizer`` (``StepLoop._size_chunks``). ``room``: the queued prompt tokens the step's
+        budget leaves room for beside its decoding requests (the queue head counted whole: the
+        chunk as the step began). With ``chunks_per_step`` (the served default,
+        ``Scheduler.step_prompt_cap``) the cap bounds the step's prompt tokens together, and
+        the step was bounded when they reached it; otherwise (``Scheduler.chunk_cap``) the step
+        packs prompts in order, each at most the cap, and it was bounded when some prompt was cut
+        at the cap, so a cap above every prompt stops growing."""
+        if self.chunks_per_step:
+            total = min(room, cap)
+            return total, total >= cap
         total, bounded = 0.0, False
         for j, rid in enumerate(rep.queue):
             if total >= room:

@@ -356,18 +356,23 @@ TTFT_PARTS = ("queue", "prefill_compute", "rest")
 
 def measured_ttft_parts(row: dict[str, Any]) -> dict[str, float] | None:
     """``TTFT_PARTS`` from the row's requests' ``server_timings`` (None where the run has none).
-    The queue is as the worker that computed the prompt measured it: from the front end's
-    hand-off (a decode replica prefilling) or from the prefill replica's intake; the host's part
-    before it is then in ``rest``, as the simulator prices it."""
+    A prompt a decode replica prefilled: the queue as its engine measured it (from the front
+    end's hand-off), the compute as its own TTFT less that queue. A prompt a prefill replica
+    computed: the compute as it reported it, and the queue as the decode replica saw it, its TTFT
+    less the compute, the KV transfer and the first decode step (from taking the request: the
+    wait for KV blocks, at the prefill handle and in the prefill replica's queue, which alone
+    sees only the last). The rest is the client's TTFT less both."""
     parts = []
     for r in row.get("requests") or []:
         t = r.get("server_timings") or {}
         if r.get("error") is None and r.get("ttft_s") is not None and "queue" in t:
             compute = t.get("prefill_compute")
-            if compute is None:  # a decode replica prefilled it: its own TTFT less the queue (which
-                # began at the front end's hand-off, before the decode replica took the request)
-                compute = max(0.0, t.get("worker_ttft", t["queue"]) - t["queue"])
-            parts.append((t["queue"], compute, r["ttft_s"] - t["queue"] - compute))
+            worker = t.get("worker_ttft", t["queue"])
+            if compute is None:
+                queue, compute = t["queue"], max(0.0, worker - t["queue"])
+            else:
+                queue = max(0.0, worker - compute - t.get("transfer", 0.0) - t.get("first_decode", 0.0))
+            parts.append((queue, compute, r["ttft_s"] - queue - compute))
     if not parts:
         return None
     return {name: float(np.median([p[i] for p in parts])) for i, name in enumerate(TTFT_PARTS)}

@@ -453,31 +453,57 @@ def test_a_colocated_replica_can_cut_its_chunks_with_the_engines_own_chunk_sizer
     assert [c for _, c in replayed.cap_samples[:2]] == [256.0, 40.0]
 
 
-def test_the_cap_bounds_each_prompt_and_only_a_cut_prompt_teaches_the_sizer():
-    """As the engine's scheduler applies it (``Scheduler.chunk_cap``), the cap bounds each prompt's
-    chunk, not the step's: a step packs prompts in order up to its budget, and only a step that cut
-    a prompt at the cap teaches the sizer (``StepLoop._size_chunks``). So prompts shorter than the
-    cap stop its growth, as the served GPU replica's stopped at 4,096 tokens under 3,000-token
-    prompts (a cap over the whole step grew on to the budget)."""
+def _capped_sim(per_step: bool):
     from collections import deque
 
     n = 24
     reqs = {"arrival": np.zeros(n), "prompt": np.full(n, 300.0), "output": np.full(n, 40.0),
             "phase": np.zeros(n, dtype=int)}
     sim = Simulation(_costs(), reqs, prefill=0, decode=1, colocated=True, dt=0.002, concurrency=8,
-                     chunk_step_s=1.0, chunk_sizer=True)
+                     chunk_step_s=1.0, chunk_sizer=True, chunks_per_step=per_step)
     rep = sim.replicas[0]
     rep.queue, rep.head_done = deque([0, 1, 2]), 100.0
     sim.r = {**reqs, "prompt": np.array([1000.0, 300.0, 300.0] + [300.0] * (n - 3))}
+    return sim, rep, reqs
+
+
+def test_the_cap_bounds_each_prompt_and_only_a_cut_prompt_teaches_the_sizer():
+    """With ``sized_chunks_per_step`` off (``Scheduler.chunk_cap``) the cap bounds each prompt's
+    chunk, not the step's: a step packs prompts in order up to its budget, and only a step that
+    cut a prompt at the cap teaches the sizer (``StepLoop._size_chunks``). So prompts shorter
+    than the cap stop its growth."""
+    from collections import deque
+
+    sim, rep, reqs = _capped_sim(per_step=False)
     assert sim._capped_chunks(rep, 8192.0, 512.0) == (512.0 + 300.0 + 300.0, True)  # the head cut at 512
     assert sim._capped_chunks(rep, 600.0, 512.0) == (600.0, True)  # the budget ends the step
     assert sim._capped_chunks(rep, 8192.0, 2000.0) == (1600.0, False)  # nothing cut: nothing learned
     rep.queue, rep.head_done, sim.r = deque(), 0.0, reqs
     # far inside the step target: 300-token prompts take the cap from 256 to 512 (one cut), no further
     out = sim.run()
-    assert out["completed"] == out["requests"] == n
+    assert out["completed"] == out["requests"] == 24
     assert rep.sizer is not None and rep.sizer.cap == 512
     assert max(c for _, c in sim.cap_samples) == 512
+
+
+def test_by_default_the_cap_bounds_the_steps_prompt_tokens_together_as_served():
+    """The served default (``sized_chunks_per_step``, ``Scheduler.step_prompt_cap``): the cap
+    bounds a step's prompt tokens together, the prompts taking it in arrival order (a second
+    prompt waits while the first takes the cap), and a step whose prompt tokens reached the cap
+    teaches the sizer; so queued 300-token prompts grow it past any one prompt."""
+    from collections import deque
+
+    from cluster.config import SchedulerConfig
+    assert SchedulerConfig().sized_chunks_per_step
+    sim, rep, reqs = _capped_sim(per_step=True)
+    assert Simulation(_costs(), reqs, prefill=0, decode=1, colocated=True).chunks_per_step
+    # room: the queued prompt tokens the budget leaves room for (1,600 here, the head whole)
+    assert sim._capped_chunks(rep, 1600.0, 512.0) == (512.0, True)
+    assert sim._capped_chunks(rep, 1600.0, 2000.0) == (1600.0, False)
+    rep.queue, rep.head_done, sim.r = deque(), 0.0, reqs
+    out = sim.run()
+    assert out["completed"] == out["requests"] == 24
+    assert rep.sizer is not None and max(c for _, c in sim.cap_samples) > 512
 
 
 def test_the_cpu_validation_compares_the_learned_chunk_cap_with_the_served_one():
@@ -494,17 +520,19 @@ def test_the_cpu_validation_compares_the_learned_chunk_cap_with_the_served_one()
 
 def test_the_validation_splits_each_ttft_as_the_served_requests_accounted_for_it():
     """``TTFT_PARTS``: the served requests' own timings (``server_timings``) give each TTFT's queue,
-    prompt compute and rest (medians): a prefill replica's compute as it reported it, a decode
-    replica's as its own TTFT less the queue; a simulation gives the same parts from its
-    requests' times, which add up to its TTFTs."""
+    prompt compute and rest (medians): a prefill replica's compute as it reported it and the queue
+    as the decode replica saw it (its TTFT less the compute, transfer and first decode step), a
+    decode replica's compute as its own TTFT less its queue; a simulation gives the same parts
+    from its requests' times, which add up to its TTFTs."""
     from bench.simulate_validation import TTFT_PARTS, measured_ttft_parts, simulated_ttft_parts
     remote = {"queue": 0.01, "prefill_queue": 0.01, "prefill_compute": 0.2, "transfer": 0.02, "first_decode": 0.01,
               "worker_ttft": 0.25, "prepare": 0.004, "ttft": 0.3, "e2e": 1.0}
-    rows = [{"ttft_s": 0.35, "error": None, "server_timings": dict(remote, queue=q, prefill_compute=c)}
-            for q, c in ((0.01, 0.2), (0.03, 0.1), (0.02, 0.3))]
+    # the decode replica's TTFT less the compute, the transfer and the first decode: its queue
+    rows = [{"ttft_s": 0.35, "error": None, "server_timings": dict(remote, prefill_compute=c, worker_ttft=w)}
+            for c, w in ((0.2, 0.25), (0.1, 0.25), (0.3, 0.4))]  # queues 0.02, 0.12, 0.07
     rows.append({"ttft_s": None, "error": "HTTP 503", "server_timings": None})  # failed: not counted
     parts = measured_ttft_parts({"requests": rows})
-    assert parts == pytest.approx({"queue": 0.02, "prefill_compute": 0.2, "rest": 0.14})
+    assert parts == pytest.approx({"queue": 0.07, "prefill_compute": 0.2, "rest": 0.13})
     local = [{"ttft_s": 0.5, "error": None, "server_timings": {"queue": 0.1, "worker_ttft": 0.4, "ttft": 0.45}}]
     assert measured_ttft_parts({"requests": local}) == pytest.approx({"queue": 0.1, "prefill_compute": 0.3,
                                                                       "rest": 0.1})
