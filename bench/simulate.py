@@ -498,6 +498,14 @@ class Simulation:
         while used < seconds and (rep.queue or rep.step_done):
             if rep.step_left <= 0.0 and not rep.step_done:  # a new step, from the queue as it is now
                 rep.step_left = min(float(self.c.max_batched_tokens), rep.queued_tokens)
+                # every prompt the step reaches is scheduled as it begins (as the engine stamps it)
+                reach = rep.step_left + rep.head_done
+                for rid in rep.queue:
+                    if reach <= 1e-9:
+                        break
+                    if np.isnan(self.prefill_start[rid]):
+                        self.prefill_start[rid] = now + used
+                    reach -= float(self.r["prompt"][rid])
             if rep.queue and rep.step_left > 1e-9:
                 rid = rep.queue[0]
                 if np.isnan(self.prefill_start[rid]):
