@@ -507,9 +507,7 @@ class Simulation:
                         self.prefill_start[rid] = now + used
                     reach -= float(self.r["prompt"][rid])
             if rep.queue and rep.step_left > 1e-9:
-                rid = rep.queue[0]
-                if np.isnan(self.prefill_start[rid]):
-                    self.prefill_start[rid] = now + used
+                rid = rep.queue[0]  # stamped when its step began
                 prompt = float(self.r["prompt"][rid])
                 take = min(prompt - rep.head_done, rep.step_left)
                 per_token = self.c.prefill_seconds(1.0, prompt)

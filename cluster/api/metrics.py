@@ -140,7 +140,7 @@ class SampleTimer:
                 for key, histogram in m.ttft_parts.items():
                     if key in out.timings:
                         histogram.observe(max(0.0, out.timings[key]))
-                self._parts = {key: max(0.0, value) for key, value in out.timings.items()}
+                self._parts = dict(out.timings)  # clamped where read (timings)
             else:
                 m.itl.observe(now - self._last_token)
             self._last_token = now
