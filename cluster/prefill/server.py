@@ -14,6 +14,7 @@ from cluster.common.messages import PrefillRequest, PrefillResult, ReplicaStats
 from cluster.common.reporting import report_forever, routing_stats
 from cluster.config import ClusterConfig
 from cluster.prefill.worker import PrefillWorker
+from cluster.engine.stalls import freeze_heap
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,9 @@ class PrefillServer:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         node_id = ray.get_runtime_context().get_node_id()
         self.worker = PrefillWorker(config, engine_id=f"prefill-{self.replica_id}", node_id=node_id)
+        # the replica's process lives for its engine: what start-up built stays out of full collections
+        # (which walk every object and hold a step meanwhile; stalls.py)
+        logger.info("froze %d start-up objects out of the garbage collector's reach", freeze_heap())
         self.state = state
         self._reporter = asyncio.get_running_loop().create_task(
             report_forever(state, self.stats, self.worker.engine.backends))

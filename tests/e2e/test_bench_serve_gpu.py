@@ -40,6 +40,7 @@ def test_the_gpu_serving_benchmark_records_what_the_validation_replays(tmp_path)
         # what the replicas ran on: a CPU's replicas do not warm up, and say why
         [warmup] = {r["reason"] for r in runs["backends"] if r["component"] == "prefill_warmup"}
         assert ("prefill_warmup=false" if mode.endswith("-no-warmup") else "not needed on cpu") in warmup
+        assert runs["replica_warnings"] == []  # no slow step counted on a CPU, nothing compiled
         assert runs["started_s"] > 0 and runs["settings"].get("prefill_warmup", True) is not mode.endswith("-no-warmup")
         for rate, run in runs["runs"].items():
             assert run["completed"] == run["num_requests"] and run["failed"] == 0
@@ -51,6 +52,12 @@ def test_the_gpu_serving_benchmark_records_what_the_validation_replays(tmp_path)
             # the replicas' slowest step so far, and no slow step counted (off on a CPU)
             assert max(v for _, v in metrics["series"]["cluster:slowest_step_seconds{decode}"]) > 0
             assert metrics["increase"]["cluster:slow_steps_total"] == 0
+            # what held the steps, by role: nothing compiles on a CPU; the collector's seconds counted
+            stalls = metrics["stalls"]
+            roles = ("decode", "prefill") if mode.startswith("disagg") else ("decode",)
+            for role in roles:
+                assert stalls[f"cluster:step_kernel_compiles_total{{{role}}}"] == 0
+                assert stalls[f"cluster:step_gc_seconds_total{{{role}}}"] >= 0
             count = metrics["increase"]["cluster:request_queue_time_seconds_count"]
             assert count >= run["num_requests"]  # (and the warm-up requests)
             if mode == "disagg":

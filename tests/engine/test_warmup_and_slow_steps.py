@@ -16,7 +16,7 @@ from cluster.config import parse_cluster_args
 from cluster.engine import step_loop
 from cluster.engine.engine import warmup_lengths
 from tests.deepseek_factories import make_v4_checkpoint
-from tests.factories import make_checkpoint, mixed_prompts
+from tests.factories import generate_disaggregated, local_pd_workers, make_checkpoint, mixed_prompts
 
 
 def test_warmup_lengths_cover_every_power_of_two_bucket_up_to_the_budget():
@@ -141,5 +141,123 @@ def test_gpu_start_up_tunes_every_prefill_bucket_so_serving_tunes_none(tmp_path)
     prompts = mixed_prompts(240, (3, 17, 100, 300, 511, 900, 45, 250), seed=5)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert dict(_prefill_kernel.cache) == tuned  # nothing tuned while serving
+    assert engine.num_step_compiles == 0, compiled(engine)  # nor compiled
     plain = LLM(path, prefill_warmup=False, **common)
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == got
+
+
+def compiled(engine) -> str:
+    from cluster.engine.stalls import Stalls
+    return f"served steps compiled: {Stalls(list(engine.step_compilations)).describe()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_prefill_replica_compiles_nothing_while_serving(tmp_path):
+    """A prefill worker (no decode graphs: only its warm-up compiles) packs concurrent prompts of
+    every length into steps of several prompts, odd token counts and block tables of any width,
+    samples several first tokens a step: none of it compiles a kernel after start-up, on either
+    side of the hand-over."""
+    path = str(tmp_path / "llama")
+    make_checkpoint(path, max_position_embeddings=1024)
+    settings = dict(model=path, dtype="bfloat16", max_num_batched_tokens=512, max_model_len=1024, max_num_seqs=8,
+                    kv_cache_memory_bytes=1 << 30)
+    lengths = (3, 17, 100, 300, 511, 900, 45, 250, 33, 129, 640, 77, 1, 2, 16, 31)
+    prompts = mixed_prompts(240, lengths, seed=6)
+    with local_pd_workers(settings) as (prefill, decode):
+        assert prefill.engine.engine.prefill_warmup_lengths == warmup_lengths(512)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        first = generate_disaggregated(decode, prompts, params)
+        sampled = generate_disaggregated(decode, prompts[::-1], SamplingParams(temperature=0.8, top_p=0.9, seed=1,
+                                                                               max_tokens=4, ignore_eos=True))
+        assert all(len(t) == 6 for t in first) and all(len(t) == 4 for t in sampled)
+        for engine in (prefill.engine.engine, decode.engine.engine):
+            assert engine.num_step_compiles == 0, compiled(engine)
+            assert engine.counters()["step_kernel_compiles_total"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_deepseek_v4_compiles_nothing_while_serving(tmp_path):
+    """DeepSeek-V4 (sliding, CSA and HCA layers; MoE) colocated: prompts alone and together,
+    chunked beside decoding requests, compile nothing after start-up."""
+    path = str(tmp_path / "v4")
+    make_v4_checkpoint(path, "csa_hca")
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256)
+    engine = llm.engine
+    assert engine.prefill_warmup_lengths == warmup_lengths(256)
+    prompts = mixed_prompts(500, (3, 17, 100, 300, 45, 250, 33, 129, 1, 2, 16, 31), seed=7)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert engine.num_step_compiles == 0, compiled(engine)
+
+
+def _fire_compile_hooks(name: str) -> None:
+    """What Triton calls around a compilation (``knobs.runtime``'s two JIT hooks), as a GPU would."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+    fn = SimpleNamespace(name=name)
+    assert not knobs.runtime.jit_cache_hook(key="k", repr=name, fn=fn, compile={}, is_manual_warmup=False,
+                                            already_compiled=False)  # falsy: Triton goes on to compile
+    knobs.runtime.jit_post_compile_hook(key="k", repr=name, fn=fn, compile={}, is_manual_warmup=False,
+                                        already_compiled=False)
+
+
+def test_a_kernel_compiled_inside_a_served_step_is_counted_named_and_said(tmp_path, caplog, monkeypatch):
+    """A Triton compilation inside a step (a shape the warm-up missed) is counted
+    (``step_kernel_compiles_total``, its seconds), kept by name and warned of with the step's
+    shape; a slow step says what held it. Compilations at start-up are not counted as served."""
+    from cluster.engine import stalls
+    path = str(tmp_path / "llama")
+    make_checkpoint(path)
+    llm = LLM(path, max_num_batched_tokens=64, max_model_len=128, slow_step_s=1e-9)
+    engine = llm.engine
+    assert engine.num_step_compiles == 0 and engine.startup_stalls.compilations == []
+    run = engine.runner.execute
+    calls = []
+
+    def compiling(sched):
+        if not calls:  # the first step compiles two kernels, as a new specialisation would
+            _fire_compile_hooks("_prefill_kernel")
+            _fire_compile_hooks("_skinny_linear_kernel")
+        calls.append(1)
+        return run(sched)
+
+    monkeypatch.setattr(engine.runner, "execute", compiling)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with caplog.at_level(logging.WARNING, logger="cluster.engine.step_loop"):
+        llm.generate(mixed_prompts(240, (20,), seed=1), params)
+    assert engine.num_step_compiles == 2 and engine.counters()["step_kernel_compiles_total"] == 2
+    assert [c.kernel for c in engine.step_compilations] == ["_prefill_kernel", "_skinny_linear_kernel"]
+    assert engine.counters()["step_kernel_compile_seconds_total"] >= 0
+    said = [r.getMessage() for r in caplog.records]
+    [warning] = [m for m in said if m.startswith("a served step compiled Triton kernels")]
+    assert "compiling 2 Triton kernels (_prefill_kernel, _skinny_linear_kernel)" in warning
+    assert "for 20 tokens of 1 requests" in warning and "2 compilations inside steps since start-up" in warning
+    [slow] = [m for m in said if m.startswith("slow step")]
+    assert "; in it: " in slow and "compiling 2 Triton kernels" in slow
+    # a second engine's compilations are its own steps'
+    assert stalls.StallWatch().since(stalls.StallWatch().mark()).compilations == []
+
+
+def test_garbage_collection_inside_steps_is_timed_and_a_replica_freezes_its_start_up_heap(tmp_path, monkeypatch):
+    import gc
+    from cluster.engine.stalls import freeze_heap
+    path = str(tmp_path / "llama")
+    make_checkpoint(path)
+    llm = LLM(path, max_num_batched_tokens=64, max_model_len=128)
+    engine = llm.engine
+    run = engine.runner.execute
+
+    def collecting(sched):
+        gc.collect()
+        return run(sched)
+
+    monkeypatch.setattr(engine.runner, "execute", collecting)
+    llm.generate(mixed_prompts(240, (9,), seed=1), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.counters()["step_gc_seconds_total"] > 0 and engine.stall_watch.slowest_gc_seconds > 0
+    try:
+        assert freeze_heap() > 1000 and gc.get_freeze_count() > 1000  # the model, torch's modules...
+    finally:
+        gc.unfreeze()
