@@ -241,6 +241,8 @@ LOCAL_PREFILL_WAIT = 0.5
 #: How often the colocated replicas' chunk cap is sampled (``Simulation.cap_samples``): as the
 #: served replicas report theirs (``cluster.common.reporting.REPORT_PERIOD_S``).
 CAP_SAMPLE_S = REPORT_PERIOD_S
+#: Prompt tokens left below this count as none (what floating-point progress leaves behind).
+TOKEN_EPS = 1e-6
 
 
 @dataclass
@@ -261,7 +263,12 @@ class Replica:
     #: The served engine's own ChunkSizer (``Simulation.chunk_sizer``), and the steps run since
     #: its last observation (a tick may hold part of a step or several).
     sizer: ChunkSizer | None = None
-    sizer_steps: float = 0.0
+    #: The engine step in progress that carries a prompt chunk (colocated replicas, decode ones
+    #: prefilling locally): its prompt tokens, the queue head's length when it began, and the
+    #: fraction of it left (0: the next tick begins a new step).
+    chunk: float = 0.0
+    chunk_head: float = 0.0
+    chunk_left: float = 0.0
 
 
 def gap_spread(gaps: np.ndarray) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -544,15 +551,17 @@ class Simulation:
         if self.prefill_steps and rep.role == "prefill":
             return self._prefill_steps(rep, seconds, now)
         used = 0.0
-        while rep.queue and used < seconds:
+        while rep.queue:
             rid = rep.queue[0]
-            if np.isnan(self.prefill_start[rid]):
-                self.prefill_start[rid] = now + used
             prompt = float(self.r["prompt"][rid])
             left = prompt - rep.head_done
+            if used >= seconds and left > TOKEN_EPS:  # (a head computed but for rounding completes)
+                break
+            if np.isnan(self.prefill_start[rid]):
+                self.prefill_start[rid] = now + used
             per_token = self.c.prefill_seconds(1.0, prompt)
             can = (seconds - used) / per_token
-            if can < left:
+            if can < left and left > TOKEN_EPS:
                 rep.head_done += can
                 rep.queued_tokens -= can
                 return seconds
@@ -601,41 +610,11 @@ class Simulation:
         # the decode loop's turns (a first token's path) last a decode step, not a prefill chunk's
         self.last_step = np.where(batch > 0, step, self.last_step)
         # each step of a colocated replica, or of a decode replica prefilling locally, also carries
-        # a prefill chunk filling the token budget
+        # a prefill chunk filling the token budget: decided as the engine step begins, from the
+        # queue as it is then, and kept until the step ends (``_chunk_step``)
         for i, rep in enumerate(self.replicas):
             if rep.queue and rep.role in ("colocated", "decode"):
-                # the step's chunk as it was when the step began (head_done: computed within it)
-                chunk = min(max(0.0, self.c.max_batched_tokens - batch[i]), rep.queued_tokens + rep.head_done)
-                head = float(self.r["prompt"][rep.queue[0]])
-                if rep.role == "decode" and self.local_chunk_itl is not None:
-                    room = self.local_chunk_itl * self.itl_target - gpu[i] * (batch[i] > 0)
-                    chunk = min(chunk, max(64.0, room / self.c.prefill_seconds(1.0, head)))
-                bounded = False
-                if rep.role == "colocated" and self.chunk_caps is not None:
-                    chunk, bounded = self._capped_chunks(rep, chunk, self._replayed_cap(now))
-                elif rep.role == "colocated" and self.chunk_step_s is not None:
-                    if self.chunk_sizer:  # the engine's own sizer: what it has learned so far
-                        if rep.sizer is None:
-                            rep.sizer = ChunkSizer(self.chunk_step_s, self.c.max_batched_tokens)
-                        chunk, bounded = self._capped_chunks(rep, chunk, float(rep.sizer.cap))
-                    else:  # the tokens that fill the target exactly
-                        chunk = min(chunk, max(16.0, self.c.chunk_tokens(self.chunk_step_s, batch[i], gpu[i],
-                                                                         host[i], head)))
-                chunk_s = self.c.prefill_seconds(chunk, head)  # the prompt's progress, in prefill seconds
-                if rep.role == "colocated":
-                    compute = self.c.chunk_step_compute(batch[i], gpu[i], chunk, head)
-                else:
-                    compute = gpu[i] * (batch[i] > 0) + chunk_s
-                with_chunk = float(self.c.combine(compute, host[i]))
-                self._prefill(rep, dt / with_chunk * chunk_s, now)
-                step[i] = with_chunk
-                if rep.sizer is not None and batch[i] > 0:
-                    # it learns from the steps that carry a prompt chunk beside decoding requests,
-                    # timing the model's execution (the compute, not the serving host's part)
-                    rep.sizer_steps += dt / with_chunk
-                    while rep.sizer_steps >= 1.0:
-                        rep.sizer_steps -= 1.0
-                        rep.sizer.observe(int(round(chunk)), bounded, float(compute))
+                step[i] = self._chunk_steps(rep, i, now, float(batch[i]), float(gpu[i]), float(host[i]), float(step[i]))
         if now >= self._next_cap_sample:
             self._next_cap_sample += CAP_SAMPLE_S
             caps = [self._replayed_cap(now) if self.chunk_caps is not None else float(rep.sizer.cap)
@@ -670,12 +649,71 @@ class Simulation:
                 self.replicas[self.decode_of[rid]].kv_used -= float(self.r["prompt"][rid] + self.r["output"][rid])
                 self._next_client_request(float(self.finished[rid]))
 
+    def _chunk_step(self, rep: Replica, batch: float, gpu: float, host: float, now: float) -> None:
+        """A new engine step of ``rep`` (colocated, or a decode replica prefilling locally) begins:
+        its prompt chunk from the queue as it is now (the budget beside ``batch`` decoding requests,
+        the cap), whether the cap bounded it, and every prompt it reaches stamped as scheduled (as
+        the engine stamps a step's prompts when it begins). The engine's ``ChunkSizer`` learns from
+        the step when it carries decoding requests too (timing its compute)."""
+        chunk = max(0.0, min(self.c.max_batched_tokens - batch, rep.queued_tokens))
+        head = float(self.r["prompt"][rep.queue[0]])
+        if rep.role == "decode" and self.local_chunk_itl is not None:
+            room = self.local_chunk_itl * self.itl_target - gpu * (batch > 0)
+            chunk = min(chunk, max(64.0, room / self.c.prefill_seconds(1.0, head)))
+        bounded = False
+        if rep.role == "colocated" and self.chunk_caps is not None:
+            chunk, bounded = self._capped_chunks(rep, chunk, self._replayed_cap(now))
+        elif rep.role == "colocated" and self.chunk_step_s is not None:
+            if self.chunk_sizer:  # the engine's own sizer: what it has learned so far
+                if rep.sizer is None:
+                    rep.sizer = ChunkSizer(self.chunk_step_s, self.c.max_batched_tokens)
+                chunk, bounded = self._capped_chunks(rep, chunk, float(rep.sizer.cap))
+            else:  # the tokens that fill the target exactly
+                chunk = min(chunk, max(16.0, self.c.chunk_tokens(self.chunk_step_s, batch, gpu, host, head)))
+        reach = chunk + rep.head_done
+        for rid in rep.queue:
+            if reach <= 1e-9:
+                break
+            if np.isnan(self.prefill_start[rid]):
+                self.prefill_start[rid] = now
+            reach -= float(self.r["prompt"][rid])
+        rep.chunk, rep.chunk_head, rep.chunk_left = chunk, head, 1.0
+        if rep.sizer is not None and batch > 0:
+            compute = self.c.chunk_step_compute(batch, gpu, chunk, head)
+            rep.sizer.observe(int(round(chunk)), bounded, float(compute))
+
+    def _chunk_steps(self, rep: Replica, i: int, now: float, batch: float, gpu: float, host: float,
+                     decode_step: float) -> float:
+        """This tick's engine steps of ``rep`` that carry prompt chunks (each chunk fixed from its
+        step's start, ``_chunk_step``), then decode-only steps once the queue is empty; returns
+        the tick's mean step time (what each decoding request's progress divides by)."""
+        remaining, steps = self.dt, 0.0
+        while remaining > 1e-12 and (rep.queue or rep.chunk_left > 1e-9):
+            if rep.chunk_left <= 1e-9:
+                self._chunk_step(rep, batch, gpu, host, now + self.dt - remaining)
+            chunk_s = self.c.prefill_seconds(rep.chunk, rep.chunk_head)  # the step's progress, in prefill seconds
+            if rep.role == "colocated":
+                compute = self.c.chunk_step_compute(batch, gpu, rep.chunk, rep.chunk_head)
+            else:
+                compute = gpu * (batch > 0) + chunk_s
+            with_chunk = float(self.c.combine(compute, host))
+            part = min(rep.chunk_left, remaining / with_chunk)
+            if rep.queue:
+                self._prefill(rep, part * chunk_s, now + self.dt - remaining)
+            rep.chunk_left -= part
+            if rep.chunk_left <= 1e-9 or not rep.queue:  # the step's prompt tokens are all computed
+                rep.chunk_left = 0.0
+            remaining -= part * with_chunk
+            steps += part
+        steps += remaining / decode_step
+        return self.dt / steps
+
     def _capped_chunks(self, rep: Replica, room: float, cap: float) -> tuple[float, bool]:
         """The prompt tokens a colocated step carries under the cap, as the engine's scheduler
         applies it, and whether the cap bounded the step: only such a step teaches the engine's
         ``ChunkSizer`` (``StepLoop._size_chunks``). ``room``: the queued prompt tokens the step's
-        budget leaves room for beside its decoding requests (the queue head counted whole: the
-        chunk as the step began). With ``chunks_per_step`` (the served default,
+        budget leaves room for beside its decoding requests, as the step begins (the queue head's
+        tokens not yet computed). With ``chunks_per_step`` (the served default,
         ``Scheduler.step_prompt_cap``) the cap bounds the step's prompt tokens together, and
         the step was bounded when they reached it; otherwise (``Scheduler.chunk_cap``) the step
         packs prompts in order, each at most the cap, and it was bounded when some prompt was cut
@@ -688,8 +726,8 @@ class Simulation:
             if total >= room:
                 break
             prompt = float(self.r["prompt"][rid])
-            take = min(prompt, cap, room - total)
             left = prompt - rep.head_done if j == 0 else prompt
+            take = min(left, cap, room - total)
             bounded = bounded or (left > cap and take >= cap)
             total += take
         return total, bounded

@@ -449,7 +449,8 @@ def test_a_colocated_replica_can_cut_its_chunks_with_the_engines_own_chunk_sizer
                           chunk_caps=[[0.05, 40.0]])
     replayed.run()
     assert replayed.replicas[0].sizer is None
-    assert replayed.first_token[0] > 1.5 * sized.first_token[0]
+    # (its first step, begun before 0.05 s, keeps its 256 tokens: a step's chunk is fixed as it begins)
+    assert replayed.first_token[0] > 1.4 * sized.first_token[0]
     assert [c for _, c in replayed.cap_samples[:2]] == [256.0, 40.0]
 
 
@@ -477,7 +478,8 @@ def test_the_cap_bounds_each_prompt_and_only_a_cut_prompt_teaches_the_sizer():
     sim, rep, reqs = _capped_sim(per_step=False)
     assert sim._capped_chunks(rep, 8192.0, 512.0) == (512.0 + 300.0 + 300.0, True)  # the head cut at 512
     assert sim._capped_chunks(rep, 600.0, 512.0) == (600.0, True)  # the budget ends the step
-    assert sim._capped_chunks(rep, 8192.0, 2000.0) == (1600.0, False)  # nothing cut: nothing learned
+    # nothing cut (the head's 900 tokens left, then two of 300): nothing learned
+    assert sim._capped_chunks(rep, 8192.0, 2000.0) == (1500.0, False)
     rep.queue, rep.head_done, sim.r = deque(), 0.0, reqs
     # far inside the step target: 300-token prompts take the cap from 256 to 512 (one cut), no further
     out = sim.run()
@@ -497,13 +499,36 @@ def test_by_default_the_cap_bounds_the_steps_prompt_tokens_together_as_served():
     assert SchedulerConfig().sized_chunks_per_step
     sim, rep, reqs = _capped_sim(per_step=True)
     assert Simulation(_costs(), reqs, prefill=0, decode=1, colocated=True).chunks_per_step
-    # room: the queued prompt tokens the budget leaves room for (1,600 here, the head whole)
-    assert sim._capped_chunks(rep, 1600.0, 512.0) == (512.0, True)
-    assert sim._capped_chunks(rep, 1600.0, 2000.0) == (1600.0, False)
+    # room: the queued prompt tokens the budget leaves room for as the step begins (1,500 here:
+    # the head's 900 left, then 300 and 300)
+    assert sim._capped_chunks(rep, 1500.0, 512.0) == (512.0, True)
+    assert sim._capped_chunks(rep, 1500.0, 2000.0) == (1500.0, False)
     rep.queue, rep.head_done, sim.r = deque(), 0.0, reqs
     out = sim.run()
     assert out["completed"] == out["requests"] == 24
     assert rep.sizer is not None and max(c for _, c in sim.cap_samples) > 512
+
+
+def test_a_colocated_steps_chunk_is_what_is_left_as_it_begins_and_teaches_the_sizer_only_then():
+    """A colocated engine step's prompt chunk is decided as the step begins, from the tokens then
+    left (the queue head's computed part is not counted again), and kept until it ends; only a
+    step whose chunk reached the cap teaches the sizer (a prompt's last 100 tokens under a
+    256-token cap grow nothing)."""
+    from collections import deque
+
+    sim, rep, reqs = _capped_sim(per_step=True)
+    rep.queue, rep.head_done, rep.queued_tokens = deque([0]), 900.0, 100.0  # 1000-token head, 900 done
+    sim._chunk_step(rep, batch=4.0, gpu=0.01, host=0.0, now=0.0)
+    assert rep.chunk == 100.0 and rep.chunk_left == 1.0 and rep.sizer is not None and rep.sizer.cap == 256
+    rep.head_done, rep.queued_tokens = 0.0, 1000.0  # the whole prompt left: the cap bounds the step
+    sim._chunk_step(rep, batch=4.0, gpu=0.01, host=0.0, now=0.0)
+    assert rep.chunk == 256.0 and rep.sizer.cap > 256  # fast, far inside its 1 s target: it grows
+    # the step's chunk stays as it began while the tick's time runs through it
+    cap = rep.sizer.cap
+    before = rep.queued_tokens
+    mean_step = sim._chunk_steps(rep, 0, 0.0, 4.0, 0.01, 0.0, 0.01)
+    assert rep.chunk == 256.0 and 0.0 < rep.chunk_left < 1.0 and rep.sizer.cap == cap
+    assert mean_step > 0.01 and 0.0 < before - rep.queued_tokens < 256.0
 
 
 def test_the_cpu_validation_compares_the_learned_chunk_cap_with_the_served_one():
