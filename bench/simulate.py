@@ -260,8 +260,7 @@ class Replica:
     step_left: float = 0.0
     step_done: list = dataclasses.field(default_factory=list)
     overhead_left: float = -1.0  # of the step's fixed overhead, once its tokens are done (-1: not yet)
-    #: The served engine's own ChunkSizer (``Simulation.chunk_sizer``), and the steps run since
-    #: its last observation (a tick may hold part of a step or several).
+    #: The served engine's own ChunkSizer (``Simulation.chunk_sizer``).
     sizer: ChunkSizer | None = None
     #: The engine step in progress that carries a prompt chunk (colocated replicas, decode ones
     #: prefilling locally): its prompt tokens, the queue head's length when it began, and the
@@ -316,12 +315,16 @@ class Simulation:
                  concurrency: int | None = None, max_time: float = 3600.0,
                  chunk_step_s: float | None = None, prefill_steps: bool = False, chunk_sizer: bool = False,
                  chunk_caps: Sequence[Sequence[float]] | None = None,
-                 chunks_per_step: bool = SchedulerConfig().sized_chunks_per_step) -> None:
+                 chunks_per_step: bool = SchedulerConfig().sized_chunks_per_step,
+                 chunk_sizer_cap: int | None = None) -> None:
         self.c, self.r, self.dt = costs, requests, dt
         #: Colocated replicas cut their prompt chunks with the engine's own ``ChunkSizer`` (starts
         #: at 256 tokens a step, learns only from steps beside decoding requests, grows at most 2x
         #: a step) aiming at ``chunk_step_s``, instead of the tokens that fill it exactly.
         self.chunk_sizer = chunk_sizer
+        #: The sizer's cap as the run begins (None: the engine's first, 256): a replica that served
+        #: an earlier run starts from what it learned there.
+        self.chunk_sizer_cap = chunk_sizer_cap
         #: What the cap (learned or replayed) bounds, as the served engine's
         #: ``sized_chunks_per_step`` says (its default, as served): the step's prompt tokens
         #: together, taken by the prompts in arrival order, so a second prompt waits while the
@@ -666,7 +669,9 @@ class Simulation:
         elif rep.role == "colocated" and self.chunk_step_s is not None:
             if self.chunk_sizer:  # the engine's own sizer: what it has learned so far
                 if rep.sizer is None:
-                    rep.sizer = ChunkSizer(self.chunk_step_s, self.c.max_batched_tokens)
+                    rep.sizer = (ChunkSizer(self.chunk_step_s, self.c.max_batched_tokens)
+                                 if self.chunk_sizer_cap is None else
+                                 ChunkSizer(self.chunk_step_s, self.c.max_batched_tokens, initial=self.chunk_sizer_cap))
                 chunk, bounded = self._capped_chunks(rep, chunk, float(rep.sizer.cap))
             else:  # the tokens that fill the target exactly
                 chunk = min(chunk, max(16.0, self.c.chunk_tokens(self.chunk_step_s, batch, gpu, host, head)))

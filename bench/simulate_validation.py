@@ -401,6 +401,14 @@ def served_caps(row: dict[str, Any]) -> list[list[float]] | None:
     return (row.get("server_metrics") or {}).get("series", {}).get(SERVED_CAP_SERIES)
 
 
+def starting_cap(row: dict[str, Any]) -> int | None:
+    """The served replica's chunk cap as the run began (its first sample): a deployment serves
+    its runs in turn, so a later run starts from the cap the earlier ones taught (the served
+    H100 run's 8 req/s began at 4,096). None where the run sampled none."""
+    caps = served_caps(row)
+    return int(caps[0][1]) if caps else None
+
+
 def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int, chunks: str = "sizer"
                  ) -> dict[str, Any]:
     """The row's closed-loop workload (``concurrency`` clients): the run's own requests where it
@@ -422,7 +430,7 @@ def simulate_cpu(costs: Costs, row: dict[str, Any], mode: str, seeds: int, chunk
                          shared_gpu=mode == "disagg" and not getattr(costs, "own_cores", False), gpus=1,
                          concurrency=int(cfg["concurrency"]),
                          chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None, prefill_steps=True,
-                         chunk_sizer=chunks == "sizer", chunk_caps=replay)
+                         chunk_sizer=chunks == "sizer", chunk_caps=replay, chunk_sizer_cap=starting_cap(row))
         outs.append(sim.run())
         caps.append(learned_cap_mean(sim.cap_samples))
         parts.append(simulated_ttft_parts(sim))
@@ -556,7 +564,7 @@ def simulate_own_gpu(costs: Costs, serve: dict[str, Any], mode: str, rate: float
                      dt=0.0005, ttft_target=wl["ttft_target_s"], itl_target=wl["itl_target_s"],
                      shared_gpu=mode == "disagg", gpus=1, prefill_steps=True,
                      chunk_step_s=SERVED_CHUNK_STEP_S if mode == "colocated" else None,
-                     chunk_sizer=chunks == "sizer", chunk_caps=replay)
+                     chunk_sizer=chunks == "sizer", chunk_caps=replay, chunk_sizer_cap=starting_cap(row))
     out = sim.run()
     result: dict[str, Any] = {k: float(out[k]) for k in METRICS}
     result["chunk_cap_mean"] = learned_cap_mean(sim.cap_samples) or float("nan")

@@ -531,6 +531,21 @@ def test_a_colocated_steps_chunk_is_what_is_left_as_it_begins_and_teaches_the_si
     assert mean_step > 0.01 and 0.0 < before - rep.queued_tokens < 256.0
 
 
+def test_a_replica_that_served_an_earlier_run_starts_from_the_cap_it_learned():
+    """A deployment serves its rate runs in turn: the validation starts each run's sizer from the
+    served cap's first sample (``starting_cap``), not from the engine's first 256."""
+    from bench.simulate_validation import starting_cap
+    row = {"server_metrics": {"series": {"cluster:prefill_chunk_cap{decode}": [[0.5, 4096.0], [1.0, 4096.0]]}}}
+    assert starting_cap(row) == 4096 and starting_cap({}) is None
+    sim, rep, reqs = _capped_sim(per_step=True)
+    later = Simulation(_costs(), reqs, prefill=0, decode=1, colocated=True, chunk_step_s=1.0, chunk_sizer=True,
+                       chunk_sizer_cap=1024)
+    later.replicas[0].queue.append(0)
+    later.replicas[0].queued_tokens = 300.0
+    later._chunk_step(later.replicas[0], batch=0.0, gpu=0.0, host=0.0, now=0.0)
+    assert later.replicas[0].sizer is not None and later.replicas[0].sizer.cap == 1024
+
+
 def test_the_cpu_validation_compares_the_learned_chunk_cap_with_the_served_one():
     """The served cap's learned mean counts from its first sample off the sizer's first cap;
     a run that never learned (no step beside decoding requests) has none."""
