@@ -34,6 +34,7 @@ for part in "$@"; do
     engine) timeout 110 python3 bench/engine_gpu.py --skip-hf --out "$OUT/engine-h200-$date.json" 2>&1 | tail -30 ;;
     engine-hf) timeout 560 python3 bench/engine_gpu.py --out "$OUT/engine-h200-$date.json" 2>&1 | tail -30 ;;
     transfer) timeout 150 python3 bench/transfer.py --out "$OUT/transfer-h200-$date.json" 2>&1 | tail -30 ;;
+    serve96) timeout 560 python3 bench/serve_gpu.py --num-requests 96 --out "$OUT/serve-h200-$date-96.json" 2>&1 | tail -20 ;;
     serve) timeout 330 python3 bench/serve_gpu.py --out "$OUT/serve-h200-$date.json" 2>&1 | tail -20 ;;
     transfer2) timeout 200 python3 bench/transfer.py --devices 0,1 --out "$OUT/transfer-h200x2-$date.json" 2>&1 | tail -30 ;;
     serve2) timeout 500 python3 bench/serve_gpu.py --gpus 2 --kv-transfer ipc --out "$OUT/serve-h200x2-$date.json" 2>&1 | tail -20 ;;
