@@ -41,7 +41,7 @@ SWEEP_CONFIGS = [{"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}, {"BLOCK_N": 6
 _INTERPRETED_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the block tables' width varies by step
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, tickets_ptr,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,

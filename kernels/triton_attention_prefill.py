@@ -120,7 +120,7 @@ def _attend(acc, l_i, m_i, q, q_pos, k_base, v_base, table, lo, hi, qk_scale, wi
                                                      num_stages=1)),
     key=["HEAD_DIM", "PAGE_SIZE", "GQA", "HAS_WINDOW", "q_len_bucket"], cache_results=True,
 )
-@triton.jit(do_not_specialize=["stride_bt"])  # the block tables' width varies by step
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,

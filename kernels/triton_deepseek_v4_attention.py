@@ -95,7 +95,7 @@ def _fold_tile(acc, l_i, m_i, q, kv_ptrs, n_mask, offs_d, d_mask, qk_scale, UPCA
     key=["num_heads", "HEAD_DIM", "WIN_PAGE", "COMP_PAGE", "HAS_COMP", "HAS_TOPK", "NUM_SPLITS", "token_bucket"],
     prune_configs_by={"early_config_prune": _prune}, cache_results=True,
 )
-@triton.jit(do_not_specialize=[a for a in BATCH_ARGS if a != "t_base"] + ["stride_wtab", "stride_ctab"])
+@triton.jit(do_not_specialize=[a for a in BATCH_ARGS if a != "t_base"])
 def _sparse_attention_kernel(
     q_ptr, win_ptr, win_tables_ptr, comp_ptr, comp_tables_ptr, topk_ptr, sinks_ptr,
     query_start_loc_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -237,7 +237,7 @@ def sparse_attention_triton(q: torch.Tensor, window_cache: torch.Tensor, window_
     as :func:`kernels.triton_deepseek_v4_indexer.indexer_topk_triton` writes them: a query reads
     only its first ``min(k, (position + 1) // ratio)`` picks (it sees no more entries than that). ``query_start_loc``/``seq_lens``: device
     copies of the lists (saves a host-to-device copy). ``num_splits`` defaults to
-    :func:`sparse_attention_num_splits` (of the token bucket alone in an eager GPU step)."""
+    :func:`sparse_attention_num_splits`."""
     for name, t in (("q", q), ("window_cache", window_cache), ("compressed_cache", compressed_cache)):
         if t is not None:
             check_last_dim_contiguous(name, t)
@@ -253,13 +253,7 @@ def sparse_attention_triton(q: torch.Tensor, window_cache: torch.Tensor, window_
     has_topk = has_comp and topk_indices is not None
     topk = topk_indices.contiguous() if topk_indices is not None and has_topk else window_tables
     qsl, lens = batch_tensors(q.device, query_start_loc_cpu, seq_lens_cpu, query_start_loc, seq_lens)
-    if num_splits is None and q.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        # An eager step (a prompt chunk, a mixed step): the split count of its token bucket alone,
-        # not of its contexts, so the start-up warm-up (a prompt per bucket) compiled and tuned
-        # every (bucket, splits) variant an eager step meets; a CUDA graph keeps its own count.
-        num_splits = sparse_attention_num_splits(token_bucket(num_tokens), num_heads, _MAX_SPLITS * _MIN_SPLIT_ENTRIES,
-                                                 q.device)
-    elif num_splits is None:
+    if num_splits is None:
         entries = _max_entries(seq_lens_cpu, window, compress_ratio, topk.shape[1] if has_topk else None, has_comp)
         num_splits = sparse_attention_num_splits(num_tokens, num_heads, entries, q.device)
     part_shape = (num_tokens, num_heads, num_splits)

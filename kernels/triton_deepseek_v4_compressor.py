@@ -94,7 +94,7 @@ def _compress_decode_kernel(carry_ptr, pos_ptr, g_ptr, v_ptr, ig_ptr, iv_ptr, st
              C, D, DI, empty_lse, OVERLAP, HAS_INDEX, False)
 
 
-@triton.jit(do_not_specialize=["stride_t"])
+@triton.jit
 def _compress_decode_paged_kernel(states_ptr, table_ptr, pos_ptr, g_ptr, v_ptr, ig_ptr, iv_ptr, ape_ptr, iape_ptr,
                                   mean_ptr, index_ptr, done_ptr, C, D, DI, ratio, block_size, stride_block,
                                   stride_t, stride_g, stride_v, stride_ig, stride_iv, stride_ape, stride_iape,
@@ -182,7 +182,7 @@ def compress_decode_paged_triton(states: torch.Tensor, table: torch.Tensor, bloc
             OVERLAP=overlap, HAS_INDEX=has_index, BLOCK_C=block, num_warps=2)
     return mean, index, done
 
-@triton.jit(do_not_specialize=["stride_t", "max_col"])
+@triton.jit
 def _compress_store_kernel(pooled_ptr, index_ptr, done_ptr, w_ptr, inv_freq_ptr, cache_ptr, table_ptr, stride_p,
                            N, ROT_HALF, eps, ratio, scaling, stride_cb, stride_cs, per_block, stride_t, max_col,
                            BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):

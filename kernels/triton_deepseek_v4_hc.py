@@ -42,7 +42,7 @@ CHUNK = 128
 BLOCK_K = 128
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, stride_x, SPLITS,
                    M: tl.constexpr, M_PAD: tl.constexpr, CHUNK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr = False, UPCAST: tl.constexpr = False):

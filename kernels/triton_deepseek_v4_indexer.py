@@ -41,7 +41,7 @@ _MIN_SPLIT_ENTRIES = 256
 @triton.autotune(configs=autotune_configs(_CONFIGS, triton.Config({"BLOCK_E": 16}, num_warps=4,
                                                                   num_stages=1)),
                  key=["HEAD_DIM", "BLOCK_H", "PAGE", "NUM_SPLITS", "token_bucket"], cache_results=True)
-@triton.jit(do_not_specialize=BATCH_ARGS + ["stride_tab", "stride_st"])
+@triton.jit(do_not_specialize=BATCH_ARGS)
 def _indexer_scores_kernel(
     q_ptr, w_ptr, k_ptr, tables_ptr, query_start_loc_ptr, seq_lens_ptr, scores_ptr,
     t_base, num_seqs, log_b, num_heads, ratio, scale, token_bucket,
@@ -90,7 +90,7 @@ def _order_keys(x):
     return bits ^ flip
 
 
-@triton.jit(do_not_specialize=BATCH_ARGS + ["stride_st"])
+@triton.jit(do_not_specialize=BATCH_ARGS)
 def _topk_kernel(scores_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, t_base, num_seqs, log_b, ratio,
                  topk, stride_st, stride_ot, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
     """``ONE_TILE``: every row fits one ``BLOCK`` (its keys stay in registers for all 32 steps)."""

@@ -146,7 +146,7 @@ def _fp4_out_scale(gs_ptr, expert, stride_gs, FMT: tl.constexpr):
 @triton.autotune(configs=autotune_configs(_gemm_configs(), _INTERPRETED), key=_KEY,
                  prune_configs_by={"early_config_prune": _prune_w13}, do_bench=_bench_config, cache_results=True)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit
 def _w13_swiglu_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_pairs, top_k, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_gs,
@@ -192,7 +192,7 @@ def _w13_swiglu_kernel(
 @triton.autotune(configs=autotune_configs(_gemm_configs(), _INTERPRETED), key=_KEY,
                  prune_configs_by={"early_config_prune": _prune}, do_bench=_bench_config, cache_results=True)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit
 def _w2_kernel(
     a_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
     topk_weights_ptr, N, K, num_pairs, stride_at, stride_we, stride_wn, stride_se, stride_sn,

@@ -39,7 +39,7 @@ def _pair_row(x_ptr, out_ptr, row, hidden, stride_x, BLOCK: tl.constexpr):
         tl.store(out_ptr + row * hidden + cols, v, mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+@triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, starts_ptr, num_pairs,
                   max_blocks, x_ptr, x_paired_ptr, hidden, stride_x,
                   NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
