@@ -701,7 +701,7 @@ class Simulation:
                 compute = self.c.chunk_step_compute(batch, gpu, rep.chunk, rep.chunk_head)
             else:
                 compute = gpu * (batch > 0) + chunk_s
-            with_chunk = float(self.c.combine(compute, host))
+            with_chunk = float(self.c.combine(np.asarray(compute), np.asarray(host)))
             part = min(rep.chunk_left, remaining / with_chunk)
             if rep.queue:
                 self._prefill(rep, part * chunk_s, now + self.dt - remaining)
