@@ -502,20 +502,24 @@ class Simulation:
         self.state[rid] = TRANSFER
         self.generated[rid] = 1.0
 
+    def _stamp_reached(self, rep: Replica, tokens: float, at: float) -> None:
+        """A step of ``tokens`` prompt tokens begins at ``at``: every queued prompt it reaches is
+        scheduled then (as the engine stamps a step's prompts when it begins)."""
+        reach = tokens + rep.head_done
+        for rid in rep.queue:
+            if reach <= 1e-9:
+                break
+            if np.isnan(self.prefill_start[rid]):
+                self.prefill_start[rid] = at
+            reach -= float(self.r["prompt"][rid])
+
     def _prefill_steps(self, rep: Replica, seconds: float, now: float) -> float:
         """``_prefill`` in steps of up to the token budget (``prefill_steps``)."""
         used = 0.0
         while used < seconds and (rep.queue or rep.step_done):
             if rep.step_left <= 0.0 and not rep.step_done:  # a new step, from the queue as it is now
                 rep.step_left = min(float(self.c.max_batched_tokens), rep.queued_tokens)
-                # every prompt the step reaches is scheduled as it begins (as the engine stamps it)
-                reach = rep.step_left + rep.head_done
-                for rid in rep.queue:
-                    if reach <= 1e-9:
-                        break
-                    if np.isnan(self.prefill_start[rid]):
-                        self.prefill_start[rid] = now + used
-                    reach -= float(self.r["prompt"][rid])
+                self._stamp_reached(rep, rep.step_left, now + used)
             if rep.queue and rep.step_left > 1e-9:
                 rid = rep.queue[0]  # stamped when its step began
                 prompt = float(self.r["prompt"][rid])
@@ -617,7 +621,7 @@ class Simulation:
         # queue as it is then, and kept until the step ends (``_chunk_step``)
         for i, rep in enumerate(self.replicas):
             if rep.queue and rep.role in ("colocated", "decode"):
-                step[i] = self._chunk_steps(rep, i, now, float(batch[i]), float(gpu[i]), float(host[i]), float(step[i]))
+                step[i] = self._chunk_steps(rep, now, float(batch[i]), float(gpu[i]), float(host[i]), float(step[i]))
         if now >= self._next_cap_sample:
             self._next_cap_sample += CAP_SAMPLE_S
             caps = [self._replayed_cap(now) if self.chunk_caps is not None else float(rep.sizer.cap)
@@ -675,19 +679,13 @@ class Simulation:
                 chunk, bounded = self._capped_chunks(rep, chunk, float(rep.sizer.cap))
             else:  # the tokens that fill the target exactly
                 chunk = min(chunk, max(16.0, self.c.chunk_tokens(self.chunk_step_s, batch, gpu, host, head)))
-        reach = chunk + rep.head_done
-        for rid in rep.queue:
-            if reach <= 1e-9:
-                break
-            if np.isnan(self.prefill_start[rid]):
-                self.prefill_start[rid] = now
-            reach -= float(self.r["prompt"][rid])
+        self._stamp_reached(rep, chunk, now)
         rep.chunk, rep.chunk_head, rep.chunk_left = chunk, head, 1.0
         if rep.sizer is not None and batch > 0:
             compute = self.c.chunk_step_compute(batch, gpu, chunk, head)
             rep.sizer.observe(int(round(chunk)), bounded, float(compute))
 
-    def _chunk_steps(self, rep: Replica, i: int, now: float, batch: float, gpu: float, host: float,
+    def _chunk_steps(self, rep: Replica, now: float, batch: float, gpu: float, host: float,
                      decode_step: float) -> float:
         """This tick's engine steps of ``rep`` that carry prompt chunks (each chunk fixed from its
         step's start, ``_chunk_step``), then decode-only steps once the queue is empty; returns

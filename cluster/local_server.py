@@ -9,7 +9,6 @@ the engine is driven through its EnginePort only.
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,8 +23,6 @@ from cluster.engine.port import EnginePort
 from cluster.engine.stalls import freeze_heap
 from cluster.kv_transfer.base import TransferStats
 from cluster.models.registry import served_name
-
-logger = logging.getLogger(__name__)
 
 
 class LocalEngineClient:
@@ -91,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                            request_timeout_s=config.request_timeout_s, block_size=config.cache.block_size,
                            model_aliases=() if config.served_model_name else (config.model.model,),
                            api_keys=config.api_key, cors_allow_origins=config.cors_allow_origins)
-    logger.info("froze %d start-up objects out of the garbage collector's reach", freeze_heap())
+    freeze_heap()
     import uvicorn
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

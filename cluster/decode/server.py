@@ -42,9 +42,7 @@ class DecodeServer:
         self.worker = DecodeWorker(
             config, engine_id=f"decode-{self.replica_id}", prefill_fn=prefill_fn,
             node_id=ray.get_runtime_context().get_node_id(), transfer_options=_transfer_options(config))
-        # the replica's process lives for its engine: what start-up built stays out of full collections
-        # (which walk every object and hold a step meanwhile; stalls.py)
-        logger.info("froze %d start-up objects out of the garbage collector's reach", freeze_heap())
+        freeze_heap()  # the process lives for its engine: what start-up built stays out of full collections
         self.state = state
         self.ttft, self.itl, self.prefill_queue = LatencyWindow(), LatencyWindow(), LatencyWindow()
         self.demand = DemandWindow()

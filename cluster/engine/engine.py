@@ -35,7 +35,6 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec_decode import Proposer, SpecDecodeStats, make_proposer
 from cluster.engine.spec_pipeline import InFlightVerify, SpecPipelining
 from cluster.engine.stalls import StallWatch
-from kernels.compile_watch import Compilation
 from cluster.engine.step_loop import StepLoop
 from cluster.common.kv_spec import KVGroupSpec
 from cluster.models.cpu_quant import quantize_float_linears
@@ -43,6 +42,7 @@ from cluster.models.draft_head import (DEFAULT_DRAFT_HEADS, HeadDrafter, default
                                        load_draft_head, load_draft_vocab)
 from cluster.models.ops import REFERENCE_OPS
 from cluster.models.registry import LoadedModel, load_model
+from kernels.compile_watch import Compilation
 
 logger = logging.getLogger(__name__)
 

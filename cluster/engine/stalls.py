@@ -10,13 +10,17 @@ does once its engine is built, so a later full collection walks only what servin
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from kernels import compile_watch
 from kernels.compile_watch import Compilation
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,7 @@ class Stalls:
         0.02 s in 1 garbage collection``."""
         parts = []
         if self.compilations:
-            names: dict[str, int] = {}
-            for c in self.compilations:
-                names[c.kernel] = names.get(c.kernel, 0) + 1
+            names = Counter(c.kernel for c in self.compilations)
             kinds = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in names.items())
             parts.append(f"{self.compile_seconds:.2f} s compiling {len(self.compilations)} Triton kernels ({kinds})")
         if self.gc_collections:
@@ -109,8 +111,10 @@ class StallWatch:
 def freeze_heap() -> int:
     """Collect once, then freeze every surviving object out of the collector's generations (what a
     serving replica does after start-up: its model, Ray's and torch's modules are alive for good,
-    and a full collection that walks them holds a step for up to a second). Returns how many
-    objects were frozen."""
+    and a full collection that walks them holds a step for up to a second). Says so, and returns
+    how many objects were frozen."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    frozen = gc.get_freeze_count()
+    logger.info("froze %d start-up objects out of the garbage collector's reach", frozen)
+    return frozen

@@ -13,8 +13,8 @@ from ray import serve
 from cluster.common.messages import PrefillRequest, PrefillResult, ReplicaStats
 from cluster.common.reporting import report_forever, routing_stats
 from cluster.config import ClusterConfig
-from cluster.prefill.worker import PrefillWorker
 from cluster.engine.stalls import freeze_heap
+from cluster.prefill.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +25,7 @@ class PrefillServer:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         node_id = ray.get_runtime_context().get_node_id()
         self.worker = PrefillWorker(config, engine_id=f"prefill-{self.replica_id}", node_id=node_id)
-        # the replica's process lives for its engine: what start-up built stays out of full collections
-        # (which walk every object and hold a step meanwhile; stalls.py)
-        logger.info("froze %d start-up objects out of the garbage collector's reach", freeze_heap())
+        freeze_heap()  # the process lives for its engine: what start-up built stays out of full collections
         self.state = state
         self._reporter = asyncio.get_running_loop().create_task(
             report_forever(state, self.stats, self.worker.engine.backends))

@@ -526,7 +526,7 @@ def test_a_colocated_steps_chunk_is_what_is_left_as_it_begins_and_teaches_the_si
     # the step's chunk stays as it began while the tick's time runs through it
     cap = rep.sizer.cap
     before = rep.queued_tokens
-    mean_step = sim._chunk_steps(rep, 0, 0.0, 4.0, 0.01, 0.0, 0.01)
+    mean_step = sim._chunk_steps(rep, 0.0, 4.0, 0.01, 0.0, 0.01)
     assert rep.chunk == 256.0 and 0.0 < rep.chunk_left < 1.0 and rep.sizer.cap == cap
     assert mean_step > 0.01 and 0.0 < before - rep.queued_tokens < 256.0
 
